@@ -1,0 +1,3 @@
+from gpubroker.cli import main
+
+raise SystemExit(main())

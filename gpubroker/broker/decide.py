@@ -1,0 +1,156 @@
+"""Where a request fits now, or why not: `place()` returns a Placement or a Refusal. Pure, no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpubroker.broker.budget import Budget
+from gpubroker.broker.request import LeaseRequest
+from gpubroker.errors import FailureCode, Refusal
+from gpubroker.units import gib
+
+
+@dataclass(frozen=True, slots=True)
+class HostBudget:
+    cores: int
+    leased_cores: int
+    memory: int
+    leased_memory: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cpu": {"cores": self.cores, "leased": self.leased_cores, "schedulable": max(0, self.cores - self.leased_cores)},
+            "memory": {"total": self.memory, "leased": self.leased_memory, "schedulable": max(0, self.memory - self.leased_memory)},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    gpus: tuple[tuple[int, int], ...]  # (index, bytes) per granted accelerator
+
+
+def candidates(request: LeaseRequest, budgets: Sequence[Budget]) -> list[Budget]:
+    """The accelerators a request could use: the pinned one, or all of them."""
+    if request.gpu is None:
+        return list(budgets)
+    return [b for b in budgets if request.gpu in (b.reading.index, b.reading.uuid)]
+
+
+def _room(request: LeaseRequest, budget: Budget) -> int | None:
+    """Bytes this request would get on this accelerator, or None if it does not fit."""
+    if budget.exclusive_holder is not None:
+        return None
+    if request.exclusive:
+        if budget.leases:
+            return None
+        room = budget.figures.total - budget.figures.external - budget.figures.resident - budget.figures.reserve
+        return room if room > 0 and room >= request.gpu_memory else None
+    return request.gpu_memory if budget.figures.schedulable >= request.gpu_memory else None
+
+
+def _figures(budget: Budget) -> dict[str, Any]:
+    return {
+        "gpu": budget.reading.uuid,
+        "index": budget.reading.index,
+        "figures": budget.figures.to_json(),
+        "external_processes": budget.external_by_name(),
+        "leases": [{"id": lease.id, "holder": lease.holder.name, "bytes": lease.bytes_on(budget.reading.index)} for lease in budget.leases],
+    }
+
+
+def _host_refusal(request: LeaseRequest, host: HostBudget) -> Refusal | None:
+    for what, need, total, leased in (
+        ("CPU cores", request.cpu_cores, host.cores, host.leased_cores),
+        ("host memory", request.memory, host.memory, host.leased_memory),
+    ):
+        if not need:
+            continue
+        in_bytes = what == "host memory"
+        show = (lambda v: f"{gib(v)} GiB") if in_bytes else str
+        details = {"resource": what, "need": need, "total": total, "leased": leased, "schedulable": max(0, total - leased)}
+        if need > total:
+            return Refusal(FailureCode.CAPABILITY_UNAVAILABLE, f"{what}: this node has {show(total)} in all; needs {show(need)}", details)
+        if need > total - leased:
+            return Refusal(
+                FailureCode.LEASE_CONFLICT,
+                f"{what}: {show(total)} in all, {show(leased)} leased → {show(max(0, total - leased))} schedulable; needs {show(need)}",
+                details,
+            )
+    return None
+
+
+def place(
+    request: LeaseRequest,
+    budgets: Sequence[Budget],
+    host: HostBudget,
+    *,
+    now: float,
+    staleness: float,
+    blocked: Collection[int] = (),
+    driver_error: str | None = None,
+) -> Placement | Refusal:
+    """Where the request fits now; `blocked` accelerators are claimed by requests waiting ahead of it."""
+    refusal = _host_refusal(request, host)
+    if refusal is not None:
+        return refusal
+    if not request.wants_gpus:
+        return Placement(())
+    if driver_error is not None:
+        return Refusal(FailureCode.DRIVER_ERROR, f"GPUs cannot be read: {driver_error}", {"driver_error": driver_error})
+    usable = candidates(request, budgets)
+    if request.gpu is not None and not usable:
+        gpus = ", ".join(f"{b.reading.index} ({b.reading.uuid})" for b in budgets) or "none"
+        return Refusal(FailureCode.CAPABILITY_UNAVAILABLE, f"no GPU {request.gpu!r} on this node; it has: {gpus}", {"gpu": request.gpu})
+    if request.gpus > len(usable):
+        return Refusal(
+            FailureCode.CAPABILITY_UNAVAILABLE,
+            f"{request.gpus} GPUs asked for; this node has {len(usable)}",
+            {"need_gpus": request.gpus, "gpus": len(usable)},
+        )
+    fresh = [b for b in usable if now - b.reading.observed_at <= staleness]
+    if len(fresh) < request.gpus:
+        stale = [b for b in usable if b not in fresh]
+        ages = ", ".join(f"GPU {b.reading.index} read {now - b.reading.observed_at:.1f}s ago" for b in stale)
+        return Refusal(
+            FailureCode.SCHEDULER_STATE_STALE,
+            f"{ages}; decisions need a reading under {staleness:.1f}s old",
+            {"staleness": staleness, "ages": {b.reading.uuid: round(now - b.reading.observed_at, 3) for b in stale}},
+        )
+    open_ = [b for b in fresh if b.reading.index not in blocked]
+    fitting = [(b, room) for b in open_ if (room := _room(request, b)) is not None]
+    if len(fitting) >= request.gpus:
+        # Best fit: the fullest accelerator that still fits keeps large holes for large requests.
+        fitting.sort(key=lambda item: (item[0].figures.schedulable, item[0].reading.index))
+        return Placement(tuple((b.reading.index, room) for b, room in fitting[: request.gpus]))
+    return _refuse(request, fresh, blocked)
+
+
+def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]) -> Refusal:
+    need = request.gpu_memory
+    needs = "the whole GPU" if request.exclusive else f"needs {gib(need)}"
+    best = max(fresh, key=lambda b: (b.figures.schedulable, -b.reading.index))
+    details: dict[str, Any] = {"need": need, "need_gpus": request.gpus, **_figures(best)}
+    if len(fresh) > 1:
+        details["considered"] = [_figures(b) for b in fresh]
+    waiting = [b for b in fresh if b.reading.index in blocked and _room(request, b) is not None]
+    if waiting:
+        details["waiting_ahead_on"] = [b.reading.uuid for b in waiting]
+        message = "; ".join(f"{b.explain()}; claimed by requests waiting ahead" for b in waiting)
+        return Refusal(FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, f"{message}; {needs}", details)
+    held = [b for b in fresh if b.exclusive_holder or (request.exclusive and b.leases)]
+    if held and len(held) == len(fresh):
+        owners = ", ".join(f"{b.label()} held by {b.exclusive_holder or ', '.join(x.id for x in b.leases)}" for b in held)
+        return Refusal(FailureCode.LEASE_CONFLICT, f"{owners}; {needs}", details)
+    pressed = [b for b in fresh if b.pressure]
+    code = FailureCode.EXTERNAL_GPU_PRESSURE if len(pressed) == len(fresh) else FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    shown = sorted(fresh, key=lambda b: -b.figures.schedulable)[:4]
+    message = "; ".join(b.explain() for b in shown)
+    if code is FailureCode.EXTERNAL_GPU_PRESSURE:
+        message += " (external usage has grown into leased or reserved memory)"
+    if request.gpus > 1:
+        message += f"; needs {request.gpus} GPUs with {gib(need)} each"
+    else:
+        message += f"; {needs}"
+    return Refusal(code, message, details)

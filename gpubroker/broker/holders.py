@@ -1,0 +1,103 @@
+"""Holders' lives: a pidfd per caller-bound lease, and signals for the work left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Callable
+
+import psutil
+
+
+def start_time(pid: int) -> float | None:
+    """When a process started (to tell it from a later process with the same pid); None if it is gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def process_name(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return None
+
+
+def is_same_process(pid: int, started: float | None) -> bool:
+    """Whether `pid` is still the process that started at `started` (a reused pid is not)."""
+    now = start_time(pid)
+    return now is not None and (started is None or abs(now - started) < 0.01)
+
+
+class HolderWatch:
+    """Calls back once when a watched process exits, at once, through a pidfd on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._fds: dict[str, int] = {}
+
+    def watch(self, key: str, pid: int, started: float | None, on_exit: Callable[[str], None]) -> bool:
+        """Watch `pid` for `key`; False (and no callback) if it is already gone or was reused."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (ProcessLookupError, OSError):
+            return False
+        # The pidfd pins this process; checking the start time after opening it
+        # rules out a pid that was reused between the caller's request and now.
+        if not is_same_process(pid, started):
+            os.close(fd)
+            return False
+        self.unwatch(key)
+        self._fds[key] = fd
+
+        def fired() -> None:
+            self.unwatch(key)
+            on_exit(key)
+
+        self._loop.add_reader(fd, fired)
+        return True
+
+    def unwatch(self, key: str) -> None:
+        fd = self._fds.pop(key, None)
+        if fd is not None:
+            self._loop.remove_reader(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for key in list(self._fds):
+            self.unwatch(key)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def signal_group(pgid: int, signum: int) -> bool:
+    """Send a signal to a process group; False if the group is gone or not ours to signal."""
+    if pgid <= 1:
+        return False  # never init's group, never "every process"
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+        return True
+    return False
+
+
+async def stop_groups(pgids: list[int], grace: float) -> None:
+    """SIGTERM each group, then SIGKILL what is left after `grace`: work never goes on without its lease."""
+    alive = [pgid for pgid in pgids if signal_group(pgid, signal.SIGTERM)]
+    waited = 0.0
+    while alive and waited < grace:
+        await asyncio.sleep(min(0.1, grace - waited))
+        waited += 0.1
+        alive = [pgid for pgid in alive if group_alive(pgid)]
+    for pgid in alive:
+        signal_group(pgid, signal.SIGKILL)

@@ -1,0 +1,120 @@
+"""A lease: what was granted, to whom, for how long, under which fencing epochs (SPEC §3)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpubroker.units import rfc3339
+
+LIVE = "granted"
+ENDED = ("released", "expired", "revoked")
+
+
+@dataclass(slots=True)
+class Holder:
+    """Who a lease belongs to: a name, and on the Unix socket the kernel's pid, uid and start time."""
+
+    name: str | None = None
+    pid: int | None = None
+    uid: int | None = None
+    start_time: float | None = None  # the pid's start time, so a reused pid is not mistaken for it
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "uid": self.uid, "pid": self.pid}
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedGpu:
+    index: int
+    uuid: str
+    bytes: int
+    epoch: int  # that accelerator's fencing epoch at this grant
+
+
+@dataclass(slots=True)
+class Lease:
+    id: str
+    node: str
+    state: str
+    epoch: int
+    priority: str
+    preemption: str
+    bind: str
+    holder: Holder
+    gpus: list[LeasedGpu]
+    exclusive: bool
+    cpu_cores: int
+    memory: int
+    labels: dict[str, str]
+    token_hash: str
+    requested_at: float
+    granted_at: float
+    expires_at: float
+    ttl: float
+    pgids: list[int] = field(default_factory=list)  # process groups registered with the lease
+    ended_at: float | None = None
+    reason: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.state == LIVE
+
+    def bytes_on(self, index: int) -> int:
+        return sum(g.bytes for g in self.gpus if g.index == index)
+
+    def env(self) -> dict[str, str]:
+        env = {"GPUBROKER_LEASE": self.id}
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in self.gpus)
+            env["GPUBROKER_GPU_MEMORY"] = str(self.gpus[0].bytes)
+        return env
+
+    def token_matches(self, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(hash_token(token), self.token_hash)
+
+    def to_json(self, token: str | None = None) -> dict[str, Any]:
+        """The API's shape; the token only for the requester, who alone ever sees it."""
+        out: dict[str, Any] = {
+            "id": self.id,
+            "state": self.state,
+            "node": self.node,
+            "epoch": self.epoch,
+            "priority": self.priority,
+            "preemption": self.preemption,
+            "bind": self.bind,
+            "holder": self.holder.to_json(),
+            "gpus": [{"index": g.index, "uuid": g.uuid, "bytes": g.bytes, "epoch": g.epoch} for g in self.gpus],
+            "exclusive": self.exclusive,
+            "cpu_cores": self.cpu_cores,
+            "memory": self.memory,
+            "labels": self.labels,
+            "env": self.env(),
+            "granted_at": rfc3339(self.granted_at),
+            "expires_at": rfc3339(self.expires_at),
+            "ttl": self.ttl,
+            "process_groups": self.pgids,
+        }
+        if token is not None:
+            out["token"] = token
+        if self.ended_at is not None:
+            out["ended_at"] = rfc3339(self.ended_at)
+            out["reason"] = self.reason
+        return out
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Lease:
+        fields = dict(record)
+        fields["holder"] = Holder(**fields["holder"])
+        fields["gpus"] = [LeasedGpu(**g) for g in fields["gpus"]]
+        return cls(**fields)
+
+
+def hash_token(token: str) -> str:
+    """Tokens are kept as hashes: the store never holds what would let a reader act on a lease."""
+    return hashlib.sha256(token.encode()).hexdigest()

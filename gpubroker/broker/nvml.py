@@ -1,0 +1,141 @@
+"""GPU readings through NVML (the `nvidia-ml-py` bindings, module `pynvml`).
+
+Every fault of the driver or the bindings leaves `sample()` as a `ProbeError`
+(no driver, a lost GPU, bindings not installed): the broker then refuses GPU
+requests with `DRIVER_ERROR` and keeps brokering CPU cores and host memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError, describe_process
+
+# NVML_VALUE_NOT_AVAILABLE as an unsigned long long: the driver lists the process but not its
+# memory (WDDM, some containers). Current bindings turn it into None, older ones pass it through.
+NOT_AVAILABLE = 2**64 - 1
+_PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
+
+
+class NvmlProbe:
+    """The machine's NVIDIA GPUs; `sample()` blocks, so it runs in a thread."""
+
+    def __init__(self, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
+        self._nvml: Any = nvml  # the pynvml module, or a fake of it; imported at the first sample
+        self._clock = clock
+        self._initialised = False
+        self._lock = threading.Lock()  # sample() and close() may be called from different threads
+
+    def sample(self) -> list[GpuReading]:
+        """One reading per GPU, or `ProbeError`; NVML is initialised at the first success."""
+        with self._lock:
+            if self._nvml is None:
+                try:
+                    self._nvml = importlib.import_module("pynvml")
+                except ImportError as error:
+                    raise ProbeError(f"no NVML: the nvidia-ml-py package is not installed ({error})") from None
+            if not self._initialised:
+                self._call("nvmlInit", None)  # fails again and again until a driver appears
+                self._initialised = True
+            # Taken before the reads: a reading is never younger than its time says.
+            now = self._clock()
+            count = int(self._call("nvmlDeviceGetCount", None))
+            return [self._read(index, now) for index in range(count)]
+
+    def close(self) -> None:
+        """Shut NVML down if a sample initialised it; closing twice does nothing."""
+        with self._lock:
+            if self._initialised:
+                self._initialised = False
+                self._call("nvmlShutdown", None)
+
+    def _read(self, index: int, now: float) -> GpuReading:
+        handle = self._call("nvmlDeviceGetHandleByIndex", index, index)
+        memory = self._call("nvmlDeviceGetMemoryInfo", index, handle)
+        return GpuReading(
+            index=index,
+            uuid=_text(self._call("nvmlDeviceGetUUID", index, handle)),
+            name=_text(self._call("nvmlDeviceGetName", index, handle)),
+            total=int(memory.total),
+            used=int(memory.used),
+            observed_at=now,
+            processes=self._processes(index, handle),
+        )
+
+    def _processes(self, index: int, handle: Any) -> tuple[GpuProcess, ...] | None:
+        nvml = self._nvml
+        unlistable = (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission, _mismatch(nvml))
+        used: dict[int, int | None] = {}
+        listed = False
+        for function in _PROCESS_LISTS:
+            try:
+                entries = self._call(function, index, handle)
+            except ProbeError as error:
+                # One list unreadable (a compute-only card's graphics list, bindings newer than
+                # the driver): the other still attributes what it can; the rest of `used`
+                # stays unattributed either way.
+                if isinstance(error.__cause__, unlistable):
+                    continue
+                raise
+            listed = True
+            for entry in entries:
+                pid, size = int(entry.pid), _bytes(entry.usedGpuMemory)
+                # A process with compute and graphics contexts appears in both lists with
+                # the same memory, or one list lacks the figure: the larger is the truth.
+                if pid in used and (size is None or (used[pid] or 0) > size):
+                    size = used[pid]
+                used[pid] = size
+        if not listed:
+            return None  # the driver lists no processes here: the whole `used` is unattributed
+        processes = []
+        for pid, size in used.items():
+            # A process gone since NVML listed it keeps its bytes, with no name and no group.
+            name, pgid, ancestors = describe_process(pid)
+            processes.append(GpuProcess(pid, name, size, pgid, ancestors))
+        return tuple(processes)
+
+    def _call(self, function: str, gpu: int | None, *args: Any) -> Any:
+        nvml = self._nvml
+        try:
+            return getattr(nvml, function)(*args)
+        except nvml.NVMLError as error:
+            raise self._fault(function, gpu, error) from error
+        except _mismatch(nvml) as error:
+            raise ProbeError(f"{function}{_on(gpu)}: {error}") from error
+
+    def _fault(self, function: str, gpu: int | None, error: Exception) -> ProbeError:
+        nvml = self._nvml
+        if isinstance(error, (nvml.NVMLError_LibraryNotFound, nvml.NVMLError_DriverNotLoaded)):
+            self._initialised = False
+            return ProbeError(f"no NVIDIA driver: {error} ({function})")
+        if isinstance(error, nvml.NVMLError_Uninitialized):
+            self._initialised = False  # the next sample initialises NVML again
+        return ProbeError(f"{function}{_on(gpu)}: {error} (NVML error {getattr(error, 'value', '?')})")
+
+
+class _NeverRaised(Exception):
+    """Stands in for an error class that older bindings lack."""
+
+
+def _mismatch(nvml: Any) -> type[Exception]:
+    """Raised by an unversioned function the driver lacks; not an NVMLError."""
+    mismatch: type[Exception] = getattr(nvml, "NVMLLibraryMismatchError", _NeverRaised)
+    return mismatch
+
+
+def _on(gpu: int | None) -> str:
+    return "" if gpu is None else f" on GPU {gpu}"
+
+
+def _text(value: str | bytes) -> str:
+    """Older bindings return bytes, current ones str."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: int | None) -> int | None:
+    """Unmeasured is absent, never zero."""
+    return None if value is None or value == NOT_AVAILABLE else int(value)

@@ -1,0 +1,173 @@
+"""What the hardware says: GPU readings behind one interface, simulated or through NVML.
+
+A probe's `sample()` is blocking and runs in a thread, never on the event loop.
+It returns one `GpuReading` per accelerator or raises `ProbeError` (no driver,
+an unreadable file): the broker then refuses GPU requests with `DRIVER_ERROR`
+and goes on brokering CPU cores and host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+
+from gpubroker.units import UnitError, parse_size
+
+
+class ProbeError(Exception):
+    """The accelerators cannot be read: no driver, a driver fault, a broken simulation file."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """One process using an accelerator, as the driver lists it."""
+
+    pid: int
+    name: str
+    bytes: int | None  # None: the driver lists the process but not its memory
+    pgid: int | None = None  # None: not a process on this machine (a simulated one)
+    ancestors: tuple[int, ...] = ()  # parent, grandparent, ... up to init
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """One accelerator at one moment."""
+
+    index: int
+    uuid: str
+    name: str
+    total: int
+    used: int  # what the driver says is in use, all processes and contexts included
+    observed_at: float  # Unix time of the reading
+    # None: the driver cannot list processes on this GPU; their memory is then unattributed.
+    processes: tuple[GpuProcess, ...] | None = field(default=())
+
+
+class GpuProbe(Protocol):
+    def sample(self) -> list[GpuReading]: ...
+
+
+def describe_process(pid: int) -> tuple[str, int | None, tuple[int, ...]]:
+    """Name, process group and ancestor pids of a local process; empty when it is gone."""
+    try:
+        process = psutil.Process(pid)
+        name = process.name()
+        pgid = os.getpgid(pid)
+        ancestors = tuple(parent.pid for parent in process.parents())
+    except (psutil.Error, ProcessLookupError, PermissionError):
+        return "", None, ()
+    return name, pgid, ancestors
+
+
+_SPEC_PART = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\S+)\s*$", re.IGNORECASE)
+DEFAULT_SIM_NAME = "Simulated GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class _SimGpu:
+    name: str
+    memory: int
+    uuid: str
+
+
+@dataclass(frozen=True, slots=True)
+class _SimProcess:
+    gpu: int
+    pid: int
+    name: str
+    used: int
+
+
+def parse_gpu_spec(spec: str) -> list[_SimGpu]:
+    """GPUs from the grammar `[Nx]SIZE[,...]`, e.g. `2x24GiB,1x12GiB`."""
+    gpus: list[_SimGpu] = []
+    for part in spec.split(","):
+        match = _SPEC_PART.match(part)
+        if not match:
+            raise ProbeError(f"simulated GPUs {spec!r}: {part!r} is not [Nx]SIZE, e.g. 2x24GiB")
+        count = int(match.group(1) or 1)
+        try:
+            memory = parse_size(match.group(2))
+        except UnitError as error:
+            raise ProbeError(f"simulated GPUs {spec!r}: {error}") from None
+        if count < 1 or count > 64 or memory <= 0:
+            raise ProbeError(f"simulated GPUs {spec!r}: {part!r} needs 1 to 64 GPUs of more than 0 bytes")
+        for _ in range(count):
+            index = len(gpus)
+            gpus.append(_SimGpu(DEFAULT_SIM_NAME, memory, f"GPU-sim-{index}"))
+    return gpus
+
+
+def parse_gpu_file(text: str, source: str) -> tuple[list[_SimGpu], list[_SimProcess]]:
+    """GPUs and external processes from a simulation TOML file."""
+    try:
+        document = tomllib.loads(text)
+        gpus = []
+        for index, table in enumerate(document.get("gpu", [])):
+            gpus.append(
+                _SimGpu(
+                    str(table.get("name", DEFAULT_SIM_NAME)),
+                    parse_size(table["memory"]),
+                    str(table.get("uuid", f"GPU-sim-{index}")),
+                )
+            )
+        processes = []
+        for table in document.get("process", []):
+            gpu = int(table["gpu"])
+            if not 0 <= gpu < len(gpus):
+                raise ProbeError(f"{source}: process {table.get('name')!r} is on GPU {gpu}, which is not defined")
+            processes.append(_SimProcess(gpu, int(table["pid"]), str(table.get("name", "")), parse_size(table["used"])))
+    except ProbeError:
+        raise
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ProbeError(f"{source}: not a simulation file ({type(error).__name__}: {error})") from None
+    return gpus, processes
+
+
+class SimulatedProbe:
+    """Accelerators from `--simulate-gpus SPEC` or a TOML file re-read at every sample."""
+
+    def __init__(self, spec_or_file: str, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        path = Path(spec_or_file)
+        self._path: Path | None = path if path.suffix == ".toml" or path.exists() else None
+        self._gpus: list[_SimGpu] = [] if self._path else parse_gpu_spec(spec_or_file)
+        if self._path:
+            self.sample()  # a broken file is an error at start, not a surprise later
+
+    def sample(self) -> list[GpuReading]:
+        gpus, processes = self._gpus, list[_SimProcess]()
+        if self._path is not None:
+            try:
+                text = self._path.read_text()
+            except OSError as error:
+                raise ProbeError(f"{self._path}: {error.strerror}") from None
+            gpus, processes = parse_gpu_file(text, str(self._path))
+        now = self._clock()
+        readings = []
+        for index, gpu in enumerate(gpus):
+            mine = tuple(GpuProcess(p.pid, p.name, p.used) for p in processes if p.gpu == index)
+            used = sum(p.used for p in processes if p.gpu == index)
+            readings.append(GpuReading(index, gpu.uuid, gpu.name, gpu.memory, min(used, gpu.memory), now, mine))
+        return readings
+
+
+@dataclass(frozen=True, slots=True)
+class HostReading:
+    """This machine's CPU cores and memory."""
+
+    cores: int
+    memory: int
+
+
+def sample_host() -> HostReading:
+    """CPU cores and host memory through psutil."""
+    return HostReading(psutil.cpu_count(logical=True) or 1, int(psutil.virtual_memory().total))

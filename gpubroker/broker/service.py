@@ -1,0 +1,821 @@
+"""The broker of one node: requests, the queue, grants, renewals, releases, expiry and sampling.
+
+Decisions are made on the event loop, one at a time, so two requests can never
+be granted the same free bytes; the grant is reserved in memory at once and
+answered only after the store has synced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pwd
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from gpubroker import __version__
+from gpubroker.broker import holders
+from gpubroker.broker.budget import Budget, compute_budget, over_declared
+from gpubroker.broker.decide import HostBudget, Placement, candidates, place
+from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token
+from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeError, sample_host
+from gpubroker.broker.request import LeaseRequest
+from gpubroker.broker.store import Store, Write, seq_key
+from gpubroker.config import CLASSES, Config
+from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal
+from gpubroker.units import gib, rfc3339
+
+RANK = {name: rank for rank, name in enumerate(CLASSES)}
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is asking: on the Unix socket the kernel says (SO_PEERCRED); on TCP nobody does."""
+
+    transport: str  # "unix" or "tcp"
+    uid: int | None = None
+    pid: int | None = None
+
+    @property
+    def user(self) -> str | None:
+        if self.uid is None:
+            return None
+        try:
+            return pwd.getpwuid(self.uid).pw_name
+        except KeyError:
+            return str(self.uid)
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    id: str
+    request: LeaseRequest
+    caller: Caller
+    holder: Holder
+    bind: str
+    seq: int
+    enqueued_at: float
+    granted: asyncio.Future[tuple[Lease, str]]
+    reason: str = ""
+    lease: Lease | None = None  # set once granted in memory, before it is durable
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return RANK[self.request.priority], self.seq
+
+
+@dataclass(slots=True)
+class _Reclaim:
+    lease: str
+    index: int
+    pids: frozenset[int]
+    released_at: float
+    reported: bool = False
+
+
+@dataclass(slots=True)
+class Stats:
+    """What the metrics read: decisions by result code and how long grants took."""
+
+    results: dict[str, int] = field(default_factory=dict)
+    on_decision: Callable[[str, float], None] | None = None
+
+    def record(self, code: str, seconds: float) -> None:
+        self.results[code] = self.results.get(code, 0) + 1
+        if self.on_decision is not None:
+            self.on_decision(code, seconds)
+
+
+class Broker:
+    def __init__(self, config: Config, store: Store, probe: GpuProbe, clock: Clock | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.probe = probe
+        self.clock: Clock = clock or SystemClock()
+        self.node_id = ""
+        self.leases: dict[str, Lease] = {}
+        self.ended: OrderedDict[str, tuple[bytes, Lease]] = OrderedDict()
+        self.waiters: list[Waiter] = []
+        self.readings: list[GpuReading] = []
+        self.host = HostReading(1, 0)
+        self.driver_error: str | None = None
+        self.stats = Stats()
+        self._lease_epoch = 0
+        self._gpu_epochs: dict[str, int] = {}
+        self._event_seq = 0
+        self._waiter_seq = 0
+        self._pressure: set[int] = set()
+        self.over_declared_ids: set[str] = set()
+        self._reclaims: list[_Reclaim] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._watch: holders.HolderWatch | None = None
+
+    # ----- start and stop -------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the store, take a first reading, and reconcile leases whose holders died meanwhile."""
+        loaded = self.store.load()
+        self.node_id = loaded.meta.get("node_id") or f"n-{secrets.token_hex(6)}"
+        self._event_seq = loaded.last_event
+        epochs = loaded.meta.get("epochs", {})
+        self._lease_epoch = int(epochs.get("lease", 0))
+        self._gpu_epochs = {str(k): int(v) for k, v in epochs.get("gpu", {}).items()}
+        for record in loaded.ended:
+            lease = Lease.from_record(record)
+            self.ended[lease.id] = (seq_key(int(record.get("_end", 0))), lease)
+        for record in loaded.leases:
+            lease = Lease.from_record(record)
+            self.leases[lease.id] = lease
+            # An epoch never goes backwards, even if a counter was lost: the leases themselves bound it.
+            self._lease_epoch = max(self._lease_epoch, lease.epoch)
+            for gpu in lease.gpus:
+                self._gpu_epochs[gpu.uuid] = max(self._gpu_epochs.get(gpu.uuid, 0), gpu.epoch)
+        self._watch = holders.HolderWatch(asyncio.get_running_loop())
+        self.store.start()
+        writes = [Write("meta", b"node_id", self.node_id)]
+        now = self.clock.now()
+        for lease in list(self.leases.values()):
+            if lease.expires_at <= now:
+                writes += self._end(lease, "expired", "not renewed before its expiry (while the broker was down)")
+            elif lease.bind == "caller" and lease.holder.pid is not None:
+                if not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
+                    writes += self._end(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
+        writes.append(
+            self._event(
+                "broker.started", f"broker {self.config.name} started with {len(self.leases)} live leases", details={"version": __version__}
+            )
+        )
+        await self.store.commit(writes)
+        await self.sample()
+
+    async def run(self) -> None:
+        """Sample the GPUs and expire leases until cancelled."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._sample_loop())
+            group.create_task(self._expiry_loop())
+
+    async def close(self) -> None:
+        """Wait for pending durable work, then stop the writer; idempotent."""
+        for waiter in self.waiters:
+            if not waiter.granted.done():
+                waiter.granted.cancel()
+        self.waiters.clear()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._watch is not None:
+            self._watch.close()
+        self.store.stop()
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----- reading the hardware -------------------------------------------
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sample_interval)
+            await self.sample()
+
+    async def sample(self) -> None:
+        """Read the GPUs and the host (in a thread), then act on what changed."""
+
+        def read() -> tuple[list[GpuReading] | None, str | None, HostReading]:
+            try:
+                return self.probe.sample(), None, sample_host()
+            except ProbeError as error:
+                return None, str(error), sample_host()
+
+        readings, error, host = await asyncio.to_thread(read)
+        self.apply_sample(readings, error, host)
+
+    def apply_sample(self, readings: list[GpuReading] | None, error: str | None, host: HostReading | None = None) -> None:
+        """Take a reading: pressure, over-use and reclaim events, then grant waiters the room that appeared."""
+        if host is not None:
+            self.host = host
+        if error != self.driver_error:
+            if error is not None:
+                self._record(self._event("gpu.driver_error", f"GPUs cannot be read: {error}", code=FailureCode.DRIVER_ERROR))
+            else:
+                self._record(self._event("gpu.driver_ok", "GPUs can be read again"))
+        self.driver_error = error
+        self.readings = readings if readings is not None else []
+        writes: list[Write] = []
+        now = self.clock.now()
+        for budget in self.budgets():
+            index = budget.reading.index
+            gpu = budget.reading.uuid
+            if budget.pressure and index not in self._pressure:
+                self._pressure.add(index)
+                writes.append(
+                    self._event(
+                        "gpu.pressure.started",
+                        f"{budget.explain()}: external usage has grown {gib(budget.figures.shortfall)} GiB into leased or reserved memory",
+                        code=FailureCode.EXTERNAL_GPU_PRESSURE,
+                        gpu=gpu,
+                        details={"figures": budget.figures.to_json(), "external_processes": budget.external_by_name()},
+                    )
+                )
+            elif not budget.pressure and index in self._pressure:
+                self._pressure.discard(index)
+                writes.append(
+                    self._event(
+                        "gpu.pressure.ended",
+                        f"{budget.explain()}: external usage fits again",
+                        code=FailureCode.EXTERNAL_GPU_PRESSURE,
+                        gpu=gpu,
+                        details={"figures": budget.figures.to_json()},
+                    )
+                )
+            for lease, used in over_declared(budget):
+                if lease.id not in self.over_declared_ids:
+                    self.over_declared_ids.add(lease.id)
+                    declared = lease.bytes_on(index)
+                    writes.append(
+                        self._event(
+                            "lease.over_declared",
+                            f"lease {lease.id} ({lease.holder.name}) uses {gib(used)} GiB on GPU {index}, more than 110% of the {gib(declared)} GiB it declared; it counts what it uses",
+                            lease=lease.id,
+                            gpu=gpu,
+                            details={"declared": declared, "observed": used},
+                        )
+                    )
+            for reclaim in [r for r in self._reclaims if r.index == index]:
+                held = sum(p.process.bytes or 0 for p in budget.processes if p.process.pid in reclaim.pids)
+                if not held:
+                    self._reclaims.remove(reclaim)
+                elif not reclaim.reported and now - reclaim.released_at >= self.config.reclaim_grace:
+                    reclaim.reported = True
+                    writes.append(
+                        self._event(
+                            "gpu.memory_not_reclaimed",
+                            f"GPU {index}: {gib(held)} GiB of released lease {reclaim.lease} is still in use {now - reclaim.released_at:.0f}s after release; it counts as external until it is gone",
+                            code=FailureCode.GPU_MEMORY_NOT_RECLAIMED,
+                            lease=reclaim.lease,
+                            gpu=gpu,
+                            details={"bytes": held, "pids": sorted(reclaim.pids)},
+                        )
+                    )
+        self._record(*writes)
+        self._scan()
+
+    # ----- the figures ----------------------------------------------------
+
+    def budgets(self) -> list[Budget]:
+        live = list(self.leases.values())
+        return [compute_budget(reading, live, self.config.reserve) for reading in self.readings]
+
+    def host_budget(self) -> HostBudget:
+        cores = sum(lease.cpu_cores for lease in self.leases.values())
+        memory = sum(lease.memory for lease in self.leases.values())
+        return HostBudget(self.host.cores, cores, self.host.memory, memory)
+
+    def node_json(self) -> dict[str, Any]:
+        return {
+            "node": {
+                "id": self.node_id,
+                "name": self.config.name,
+                "production_eligible": self.config.production_eligible,
+                "version": __version__,
+            },
+            "gpus": [budget.to_json() for budget in self.budgets()],
+            "driver_error": self.driver_error,
+            **self.host_budget().to_json(),
+            "queue": {name: sum(1 for w in self.waiters if w.request.priority == name) for name in CLASSES},
+        }
+
+    # ----- requests -------------------------------------------------------
+
+    async def request(self, request: LeaseRequest, caller: Caller) -> tuple[Lease, str]:
+        """Grant now, wait in the queue, or refuse: the lease and its token, or a BrokerError."""
+        started = time.perf_counter()
+        try:
+            lease, token = await self._request(request, caller)
+        except BrokerError as error:
+            self.stats.record(error.code.value, time.perf_counter() - started)
+            raise
+        self.stats.record("GRANTED", time.perf_counter() - started)
+        return lease, token
+
+    async def _request(self, request: LeaseRequest, caller: Caller) -> tuple[Lease, str]:
+        now = self.clock.now()
+        holder = Holder(name=request.holder_name)
+        if caller.transport == "unix" and caller.pid is not None:
+            holder.pid, holder.uid = caller.pid, caller.uid
+        elif request.holder_pid is not None:
+            holder.pid = request.holder_pid
+        if holder.pid is not None:
+            holder.start_time = holders.start_time(holder.pid)
+        bind = request.bind or ("caller" if caller.transport == "unix" else "none")
+        if bind == "caller" and (holder.pid is None or holder.start_time is None):
+            raise InvalidRequest(
+                "bind: caller needs a living holder process: call on the Unix socket, or give holder.pid", {"field": "bind"}
+            )
+        priority = self.config.stamped_class(request.priority, caller.user, holder.name)
+        if priority != request.priority:
+            request = replace(request, priority=priority)
+        if priority == "production" and not self.config.production_eligible:
+            raise self._refused(
+                request,
+                Refusal(
+                    FailureCode.CAPABILITY_UNAVAILABLE,
+                    f"node {self.config.name} is not production_eligible: production requests are not served here",
+                    {"priority": priority},
+                ),
+            )
+        if request.deadline is not None and request.deadline <= now:
+            raise self._refused(
+                request,
+                Refusal(
+                    FailureCode.DEADLINE_CANNOT_BE_MET,
+                    f"the deadline {rfc3339(request.deadline)} has already passed",
+                    {"deadline": rfc3339(request.deadline)},
+                ),
+            )
+        waits = request.wait > 0 or request.deadline is not None
+        if waits and sum(1 for w in self.waiters if w.request.priority == priority) >= self.config.queue_limit:
+            raise self._refused(
+                request,
+                Refusal(
+                    FailureCode.QUEUE_FULL,
+                    f"{self.config.queue_limit} {priority} requests already wait on node {self.config.name}; the queue holds {self.config.queue_limit}",
+                    {"priority": priority, "queue_limit": self.config.queue_limit},
+                ),
+            )
+        self._waiter_seq += 1
+        waiter = Waiter(
+            id=f"l-{secrets.token_hex(6)}",
+            request=request,
+            caller=caller,
+            holder=holder,
+            bind=bind,
+            seq=self._waiter_seq,
+            enqueued_at=now,
+            granted=asyncio.get_running_loop().create_future(),
+        )
+        blocked = self._claimed_ahead(waiter)
+        decision = self._place(request, blocked)
+        if isinstance(decision, Placement):
+            return await self._grant_now(waiter, decision)
+        if not waits:
+            raise self._refused(request, decision)
+        if request.deadline is not None and self._hopeless(request):
+            raise self._refused(
+                request,
+                Refusal(
+                    FailureCode.DEADLINE_CANNOT_BE_MET,
+                    f"{decision.message}; what holds the room is held past the deadline {rfc3339(request.deadline)} and may not be preempted",
+                    {**decision.details, "deadline": rfc3339(request.deadline)},
+                ),
+            )
+        return await self._wait(waiter, decision)
+
+    def _place(self, request: LeaseRequest, blocked: set[int], budgets: list[Budget] | None = None) -> Placement | Refusal:
+        return place(
+            request,
+            self.budgets() if budgets is None else budgets,
+            self.host_budget(),
+            now=self.clock.now(),
+            staleness=self.config.staleness,
+            blocked=blocked,
+            driver_error=self.driver_error,
+        )
+
+    def _claimed_ahead(self, waiter: Waiter) -> set[int]:
+        """Accelerators claimed by requests waiting ahead of this one (higher class, or earlier in its own)."""
+        blocked: set[int] = set()
+        budgets = self.budgets()
+        for other in self.waiters:
+            if other.order < waiter.order and other.lease is None:
+                blocked.update(b.reading.index for b in candidates(other.request, budgets) if other.request.wants_gpus)
+        return blocked
+
+    def _hopeless(self, request: LeaseRequest) -> bool:
+        """Whether the request cannot fit by its deadline even if every lease that may end by then does."""
+        assert request.deadline is not None
+        staying = [lease for lease in self.leases.values() if lease.preemption == "never" and lease.expires_at > request.deadline]
+        budgets = [compute_budget(reading, staying, self.config.reserve) for reading in self.readings]
+        return isinstance(self._place(request, set(), budgets), Refusal)
+
+    def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
+        details = refusal.details
+        self._record(
+            self._event(
+                "lease.refused",
+                refusal.message,
+                code=refusal.code,
+                gpu=details.get("gpu") if isinstance(details.get("gpu"), str) else None,
+                details={**details, "priority": request.priority},
+            )
+        )
+        return refusal
+
+    def _grant(self, waiter: Waiter, placement: Placement) -> tuple[Lease, str, list[Write]]:
+        """Reserve the room in memory at once (the loop is the lock) and return what must be made durable."""
+        now = self.clock.now()
+        request = waiter.request
+        by_index = {r.index: r for r in self.readings}
+        self._lease_epoch += 1
+        gpus = []
+        for index, size in placement.gpus:
+            uuid = by_index[index].uuid
+            self._gpu_epochs[uuid] = self._gpu_epochs.get(uuid, 0) + 1
+            gpus.append(LeasedGpu(index, uuid, size, self._gpu_epochs[uuid]))
+        ttl = request.ttl or self.config.default_ttl
+        token = secrets.token_urlsafe(24)
+        holder = waiter.holder
+        if holder.name is None and holder.pid is not None:
+            holder.name = holders.process_name(holder.pid)
+        lease = Lease(
+            id=waiter.id,
+            node=self.node_id,
+            state=LIVE,
+            epoch=self._lease_epoch,
+            priority=request.priority,
+            preemption=request.preemption,
+            bind=waiter.bind,
+            holder=holder,
+            gpus=gpus,
+            exclusive=request.exclusive,
+            cpu_cores=request.cpu_cores,
+            memory=request.memory,
+            labels=request.labels,
+            token_hash=hash_token(token),
+            requested_at=waiter.enqueued_at,
+            granted_at=now,
+            expires_at=now + ttl,
+            ttl=ttl,
+        )
+        self.leases[lease.id] = lease
+        waiter.lease = lease
+        where = ", ".join(f"GPU {g.index} {gib(g.bytes)} GiB epoch {g.epoch}" for g in gpus) or "no GPU"
+        writes = [
+            Write("leases", lease.id.encode(), lease.to_record()),
+            Write("meta", b"epochs", {"lease": self._lease_epoch, "gpu": dict(self._gpu_epochs)}),
+            self._event(
+                "lease.granted",
+                f"lease {lease.id} granted to {holder.name or 'an unnamed holder'} ({lease.priority}): {where}",
+                lease=lease.id,
+                gpu=gpus[0].uuid if gpus else None,
+                details={
+                    "gpus": [g.uuid for g in gpus],
+                    "bytes": [g.bytes for g in gpus],
+                    "epoch": lease.epoch,
+                    "waited": round(now - waiter.enqueued_at, 3),
+                },
+            ),
+        ]
+        if lease.bind == "caller" and holder.pid is not None:
+            assert self._watch is not None
+            if not self._watch.watch(lease.id, holder.pid, holder.start_time, self._holder_exited):
+                del self.leases[lease.id]
+                raise InvalidRequest(f"holder pid {holder.pid} exited before its lease could be granted", {"field": "holder"})
+        return lease, token, writes
+
+    async def _grant_now(self, waiter: Waiter, placement: Placement) -> tuple[Lease, str]:
+        lease, token, writes = self._grant(waiter, placement)
+        await self._make_durable(lease, writes)
+        return lease, token
+
+    async def _make_durable(self, lease: Lease, writes: list[Write]) -> None:
+        commit = asyncio.ensure_future(self.store.commit(writes))
+        try:
+            # Commit before replying: a crash in between must leave a lease without a
+            # client, never a client without a lease.
+            await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            # The client went away mid-commit: the lease must not outlive the request.
+            self._spawn(self._release_when_durable(commit, lease))
+            raise
+        except BrokerError:
+            self._rollback(lease)
+            raise
+
+    async def _release_when_durable(self, commit: asyncio.Future[None], lease: Lease) -> None:
+        with contextlib.suppress(BrokerError):
+            await commit
+            if lease.live:
+                await self.store.commit(self._end(lease, "released", "the requester disconnected before the grant was answered"))
+
+    def _rollback(self, lease: Lease) -> None:
+        """A grant that could not be made durable never happened (its epochs stay used: they only grow)."""
+        self.leases.pop(lease.id, None)
+        if self._watch is not None:
+            self._watch.unwatch(lease.id)
+        self._scan()
+
+    async def _wait(self, waiter: Waiter, first: Refusal) -> tuple[Lease, str]:
+        request = waiter.request
+        waiter.reason = first.message
+        self.waiters.append(waiter)
+        self.waiters.sort(key=lambda w: w.order)
+        self._record(
+            self._event(
+                "lease.queued",
+                f"request {waiter.id} ({request.priority}) waits: {first.message}",
+                lease=waiter.id,
+                details={"position": self.position(waiter), "wait": request.wait, "reason_code": first.code.value},
+            )
+        )
+        limits = [waiter.enqueued_at + request.wait] if request.wait > 0 else []
+        if request.deadline is not None:
+            limits.append(request.deadline)
+        until = min(limits)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.granted), max(0.0, until - self.clock.now()))
+        except TimeoutError:
+            if waiter.lease is not None:  # granted in the same instant: being made durable
+                return await waiter.granted
+            self._drop_waiter(waiter)
+            if request.deadline is not None and until >= request.deadline:
+                refusal = Refusal(
+                    FailureCode.DEADLINE_CANNOT_BE_MET,
+                    f"not granted by the deadline {rfc3339(request.deadline)}: {waiter.reason}",
+                    {**first.details, "deadline": rfc3339(request.deadline)},
+                )
+            else:
+                refusal = Refusal(
+                    FailureCode.LEASE_TIMEOUT,
+                    f"not granted within {request.wait:g}s: {waiter.reason}",
+                    {**first.details, "wait": request.wait},
+                )
+            raise self._refused(request, refusal) from None
+        except asyncio.CancelledError:
+            if waiter.lease is None:
+                self._drop_waiter(waiter)
+                self._record(self._event("lease.cancelled", f"request {waiter.id} cancelled: its client went away", lease=waiter.id))
+            else:
+                self._spawn(self._release_after_grant(waiter))
+            raise
+
+    async def _release_after_grant(self, waiter: Waiter) -> None:
+        with contextlib.suppress(BrokerError, asyncio.CancelledError):
+            await waiter.granted
+        if waiter.lease is not None and waiter.lease.live:
+            with contextlib.suppress(BrokerError):
+                await self.store.commit(self._end(waiter.lease, "released", "the requester disconnected before the grant was answered"))
+
+    def _drop_waiter(self, waiter: Waiter) -> None:
+        if waiter in self.waiters:
+            self.waiters.remove(waiter)
+            self._scan()  # a waiter that leaves may unblock those behind it
+
+    def position(self, waiter: Waiter) -> int:
+        return 1 + sum(1 for w in self.waiters if w.request.priority == waiter.request.priority and w.seq < waiter.seq)
+
+    def _scan(self) -> None:
+        """Grant waiters in claim order; one that cannot be granted claims every accelerator it could use."""
+        blocked: set[int] = set()
+        for waiter in list(self.waiters):
+            if waiter.lease is not None:
+                continue
+            decision = self._place(waiter.request, blocked)
+            if isinstance(decision, Refusal):
+                waiter.reason = decision.message
+                if waiter.request.wants_gpus:
+                    blocked.update(b.reading.index for b in candidates(waiter.request, self.budgets()))
+                continue
+            self.waiters.remove(waiter)
+            try:
+                lease, token, writes = self._grant(waiter, decision)
+            except BrokerError as error:
+                waiter.granted.set_exception(error)
+                continue
+            self._spawn(self._settle_waiter(waiter, lease, token, writes))
+
+    async def _settle_waiter(self, waiter: Waiter, lease: Lease, token: str, writes: list[Write]) -> None:
+        try:
+            await self.store.commit(writes)
+        except BrokerError as error:
+            self._rollback(lease)
+            if not waiter.granted.done():
+                waiter.granted.set_exception(error)
+            return
+        if not waiter.granted.done():
+            waiter.granted.set_result((lease, token))
+
+    # ----- acting on a lease ---------------------------------------------
+
+    def find(self, lease_id: str) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None and lease_id in self.ended:
+            lease = self.ended[lease_id][1]
+        if lease is None:
+            raise NotFound(f"no lease {lease_id!r} on node {self.config.name}", {"lease": lease_id})
+        return lease
+
+    def find_waiter(self, lease_id: str) -> Waiter | None:
+        return next((w for w in self.waiters if w.id == lease_id), None)
+
+    def authorize(self, lease: Lease | Waiter, caller: Caller, token: str | None) -> None:
+        """The lease's own Unix user, root, or its token: anyone else is FORBIDDEN."""
+        uid = lease.holder.uid
+        if caller.uid is not None and (caller.uid == 0 or (uid is not None and caller.uid == uid)):
+            return
+        if isinstance(lease, Lease) and lease.token_matches(token):
+            return
+        raise Forbidden(
+            f"lease {lease.id} belongs to {lease.holder.name or 'another holder'}: only its Unix user, root, or its token may act on it",
+            {"lease": lease.id},
+        )
+
+    def _live(self, lease_id: str) -> Lease:
+        lease = self.find(lease_id)
+        if not lease.live:
+            raise Refusal(
+                FailureCode.LEASE_CONFLICT, f"lease {lease_id} is {lease.state} ({lease.reason})", {"lease": lease_id, "state": lease.state}
+            )
+        return lease
+
+    async def renew(self, lease_id: str, caller: Caller, token: str | None, ttl: float | None) -> Lease:
+        lease = self._live(lease_id)
+        self.authorize(lease, caller, token)
+        if ttl is not None:
+            lease.ttl = ttl
+        lease.expires_at = self.clock.now() + lease.ttl
+        await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
+        return lease
+
+    async def register_group(self, lease_id: str, caller: Caller, token: str | None, pgid: int) -> Lease:
+        """Add a process group to the lease: its GPU memory is the lease's, and it is signalled when the lease ends."""
+        lease = self._live(lease_id)
+        self.authorize(lease, caller, token)
+        if not holders.group_alive(pgid):
+            raise InvalidRequest(f"process group {pgid} does not exist", {"field": "pgid"})
+        if pgid not in lease.pgids:
+            lease.pgids.append(pgid)
+            await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
+        return lease
+
+    async def release(self, lease_id: str, caller: Caller, token: str | None) -> Lease:
+        """Release a granted lease, or cancel a waiting request."""
+        waiter = self.find_waiter(lease_id)
+        if waiter is not None:
+            self.authorize(waiter, caller, token)
+            self._drop_waiter(waiter)
+            waiter.granted.set_exception(Refusal(FailureCode.LEASE_TIMEOUT, f"request {lease_id} was cancelled", {"lease": lease_id}))
+            waiter.granted.exception()  # retrieved: the waiting handler reports it
+            raise NotFound(f"request {lease_id} was waiting and is now cancelled", {"lease": lease_id, "cancelled": True})
+        lease = self._live(lease_id)
+        self.authorize(lease, caller, token)
+        who = f"uid {caller.uid}" if caller.uid is not None else "its token"
+        await self.store.commit(self._end(lease, "released", f"released by {who}"))
+        return lease
+
+    def _holder_exited(self, lease_id: str) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            writes = self._end(lease, "released", f"holder pid {lease.holder.pid} exited")
+            self._spawn(self._commit_quietly(writes))
+
+    async def _commit_quietly(self, writes: list[Write]) -> None:
+        with contextlib.suppress(BrokerError):
+            await self.store.commit(writes)
+
+    def sweep(self) -> None:
+        """Expire every lease whose expiry has passed."""
+        now = self.clock.now()
+        writes: list[Write] = []
+        for lease in [x for x in self.leases.values() if x.expires_at <= now]:
+            writes += self._end(lease, "expired", f"not renewed before its expiry {rfc3339(lease.expires_at)}")
+        if writes:
+            self._spawn(self._commit_quietly(writes))
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.sweep()
+
+    def _end(self, lease: Lease, state: str, reason: str) -> list[Write]:
+        """End a live lease in memory (its room is free at once) and return what makes that durable."""
+        assert state in ENDED
+        now = self.clock.now()
+        budgets = {b.reading.index: b for b in self.budgets()}
+        for gpu in lease.gpus:
+            budget = budgets.get(gpu.index)
+            if budget is not None:
+                pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
+                if pids:
+                    self._reclaims.append(_Reclaim(lease.id, gpu.index, pids, now))
+        lease.state, lease.ended_at, lease.reason = state, now, reason
+        del self.leases[lease.id]
+        self.over_declared_ids.discard(lease.id)
+        if self._watch is not None:
+            self._watch.unwatch(lease.id)
+        if lease.pgids:
+            self._spawn(holders.stop_groups(list(lease.pgids), self.config.kill_grace))
+        event = self._event(
+            f"lease.{state}",
+            f"lease {lease.id} ({lease.holder.name}) {state}: {reason}",
+            lease=lease.id,
+            gpu=lease.gpus[0].uuid if lease.gpus else None,
+            details={"reason": reason},
+        )
+        key = seq_key(self._event_seq)
+        record = lease.to_record()
+        record["_end"] = self._event_seq
+        writes = [Write("leases", lease.id.encode()), Write("ended", key, record), event]
+        self.ended[lease.id] = (key, lease)
+        while len(self.ended) > self.config.leases_kept:
+            _, (old_key, _) = self.ended.popitem(last=False)
+            writes.append(Write("ended", old_key))
+        self._scan()
+        return writes
+
+    # ----- listing --------------------------------------------------------
+
+    def waiter_json(self, waiter: Waiter) -> dict[str, Any]:
+        budgets = self.budgets()
+        mine = {b.reading.index for b in candidates(waiter.request, budgets)} if waiter.request.wants_gpus else set()
+        behind = [w.id for w in self.waiters if w.order < waiter.order and mine & {b.reading.index for b in candidates(w.request, budgets)}]
+        r = waiter.request
+        return {
+            "id": waiter.id,
+            "state": "queued",
+            "node": self.node_id,
+            "priority": r.priority,
+            "preemption": r.preemption,
+            "bind": waiter.bind,
+            "holder": waiter.holder.to_json(),
+            "position": self.position(waiter),
+            "waiting_behind": behind,
+            "reason": waiter.reason,
+            "queued_at": rfc3339(waiter.enqueued_at),
+            "request": {
+                "gpu_memory": r.gpu_memory,
+                "gpus": r.gpus,
+                "exclusive": r.exclusive,
+                "gpu": r.gpu,
+                "cpu_cores": r.cpu_cores,
+                "memory": r.memory,
+            },
+            "labels": r.labels,
+        }
+
+    def list_leases(self, state: str | None, limit: int) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if state in (None, "queued"):
+            out += [self.waiter_json(w) for w in self.waiters]
+        if state in (None, LIVE):
+            out += [lease.to_json() for lease in self.leases.values()]
+        if state is None or state in ENDED:
+            out += [lease.to_json() for _, lease in reversed(self.ended.values()) if state in (None, lease.state)]
+        return out[:limit]
+
+    def get(self, lease_id: str) -> dict[str, Any]:
+        waiter = self.find_waiter(lease_id)
+        if waiter is not None:
+            return self.waiter_json(waiter)
+        return self.find(lease_id).to_json()
+
+    # ----- events ---------------------------------------------------------
+
+    def _event(
+        self,
+        type_: str,
+        message: str,
+        *,
+        code: FailureCode | None = None,
+        lease: str | None = None,
+        gpu: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> Write:
+        self._event_seq += 1
+        event: dict[str, Any] = {
+            "seq": self._event_seq,
+            "time": rfc3339(self.clock.now()),
+            "type": type_,
+            "message": message,
+            "details": details or {},
+            "node": self.node_id,
+        }
+        if code is not None:
+            event["code"] = code.value
+        if lease is not None:
+            event["lease"] = lease
+        if gpu is not None:
+            event["gpu"] = gpu
+        return Write("events", seq_key(self._event_seq), event)
+
+    def _record(self, *writes: Write) -> None:
+        """Events with nobody waiting on them: they ride the next commit."""
+        if writes:
+            self.store.submit(list(writes))
+
+    def events(self, after: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+        events = self.store.events_after(after, limit)
+        return events, events[-1]["seq"] if events else after

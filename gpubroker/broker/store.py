@@ -1,0 +1,186 @@
+"""Durable state in LMDB (SPEC §3.5): leases, epochs and events, committed in groups by one writer thread.
+
+The event loop never waits on a disk: `commit()` hands writes to the writer
+thread, which wakes at once, takes everything that has gathered, commits it as
+one synced transaction (one fsync for many grants under load, none when idle),
+and resolves the waiting futures in one hop back to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+
+from gpubroker.errors import StoreFull
+
+_KEY = struct.Struct(">Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """One change: `put` or `delete` a key of a table."""
+
+    table: str
+    key: bytes
+    value: Any = None  # None: delete
+
+
+@dataclass(slots=True)
+class _Batch:
+    writes: list[Write]
+    future: asyncio.Future[None] | None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+@dataclass(slots=True)
+class Loaded:
+    leases: list[dict[str, Any]] = field(default_factory=list)
+    ended: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    last_event: int = 0
+
+
+def seq_key(seq: int) -> bytes:
+    return _KEY.pack(seq)
+
+
+class Store:
+    """leases (live, by id), ended (history, by end order), meta (epochs, node id), events (by seq)."""
+
+    TABLES = ("leases", "ended", "meta", "events")
+
+    def __init__(self, path: Path, map_size: int, events_kept: int = 10_000) -> None:
+        self._events_kept = events_kept
+        path.mkdir(parents=True, exist_ok=True)
+        # sync and metasync: every acknowledged commit survives kill -9 and power loss.
+        self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
+        self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
+        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.commits = 0  # transactions written, for the benchmark and tests
+
+    def load(self) -> Loaded:
+        loaded = Loaded()
+        with self._env.begin() as txn:
+            for _, value in txn.cursor(self._db["leases"]):
+                loaded.leases.append(msgpack.unpackb(value))
+            for _, value in txn.cursor(self._db["ended"]):
+                loaded.ended.append(msgpack.unpackb(value))
+            for key, value in txn.cursor(self._db["meta"]):
+                loaded.meta[key.decode()] = msgpack.unpackb(value)
+            cursor = txn.cursor(self._db["events"])
+            if cursor.last():
+                loaded.last_event = _KEY.unpack(cursor.key())[0]
+        return loaded
+
+    def events_after(self, after: int, limit: int) -> list[dict[str, Any]]:
+        """Committed events with seq > after, oldest first (a read transaction: never blocks the writer)."""
+        out: list[dict[str, Any]] = []
+        with self._env.begin() as txn:
+            cursor = txn.cursor(self._db["events"])
+            if not cursor.set_range(seq_key(after + 1)):
+                return out
+            for _, value in cursor:
+                out.append(msgpack.unpackb(value))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gpubroker-store", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish what was handed over, then close; idempotent."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+            self._env.close()
+
+    async def commit(self, writes: list[Write]) -> None:
+        """Returns once the writes are synced to disk; StoreFull if they do not fit (nothing is changed)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._queue.put(_Batch(writes, future, loop))
+        await future
+
+    def submit(self, writes: list[Write]) -> None:
+        """Writes that ride the next commit, with nobody waiting on them (events)."""
+        self._queue.put(_Batch(writes, None))
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batches = [first]
+            stopping = False
+            while True:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batches.append(more)
+            error = self._write(batches)
+            self._resolve(batches, error)
+            if stopping:
+                return
+
+    def _write(self, batches: list[_Batch]) -> Exception | None:
+        try:
+            with self._env.begin(write=True) as txn:
+                for batch in batches:
+                    for write in batch.writes:
+                        db = self._db[write.table]
+                        if write.value is None:
+                            txn.delete(write.key, db=db)
+                        else:
+                            txn.put(write.key, msgpack.packb(write.value), db=db)
+                            if write.table == "events":  # the log is bounded: the oldest goes as a new one comes
+                                oldest = _KEY.unpack(write.key)[0] - self._events_kept
+                                if oldest > 0:
+                                    txn.delete(seq_key(oldest), db=db)
+            self.commits += 1
+            return None
+        except lmdb.MapFullError:
+            return StoreFull(
+                f"the state store is full ({self._env.info()['map_size'] // 2**20} MiB); nothing was changed. "
+                "Raise store_size or release leases",
+                {"store_size": self._env.info()["map_size"]},
+            )
+        except lmdb.Error as error:  # a disk fault: the writes did not happen, and the callers hear so
+            return StoreFull(f"the state store could not be written: {error}", {})
+
+    @staticmethod
+    def _resolve(batches: list[_Batch], error: Exception | None) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        for batch in batches:
+            if batch.future is not None and batch.loop is not None:
+                by_loop.setdefault(batch.loop, []).append(batch.future)
+        for loop, futures in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle, futures, error)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is waiting any more
+
+
+def _settle(futures: list[asyncio.Future[None]], error: Exception | None) -> None:
+    for future in futures:
+        if future.done():
+            continue
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)

@@ -1,0 +1,320 @@
+"""argv → calls: `gpubroker up | status | lease | leases | release | events | self-check`."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpubroker import __version__
+from gpubroker.broker.probes import ProbeError
+from gpubroker.client import Client, ClientError
+from gpubroker.config import CLASSES, ConfigError, load_config
+from gpubroker.units import gib
+
+FOREVER = 10 * 365 * 86400
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from gpubroker import daemon  # the server's imports are not needed by the other commands
+
+    try:
+        config = load_config(
+            Path(args.config) if args.config else None,
+            state_dir=args.state,
+            listen=args.listen,
+            socket=args.socket,
+            simulate_gpus=args.simulate_gpus,
+            name=args.name,
+        )
+        return daemon.run(config)
+    except (ConfigError, ProbeError) as error:
+        print(f"gpubroker: {error}", file=sys.stderr)
+        return 2
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    node = Client().call("GET", "/v1/node")
+    if args.json:
+        _print_json(node)
+        return 0
+    info = node["node"]
+    print(
+        f"node {info['name']} ({info['id']}), gpubroker {info['version']}"
+        + ("" if info["production_eligible"] else ", not production eligible")
+    )
+    if node.get("driver_error"):
+        print(f"GPUs: cannot be read: {node['driver_error']}")
+    for gpu in node["gpus"]:
+        f = gpu["figures"]
+        pressure = "  EXTERNAL PRESSURE" if gpu.get("pressure") else ""
+        print(f"GPU {gpu['index']}  {gpu['name']}  {gpu['uuid']}{pressure}")
+        print(
+            "  "
+            + "  ".join(
+                f"{name} {gib(f[name])}" for name in ("total", "observed", "external", "resident", "leased", "reserve", "schedulable")
+            )
+            + " GiB"
+        )
+        for process in gpu["processes"]:
+            owner = f"lease {process['lease']}" if process["lease"] else "external"
+            print(f"  pid {process['pid']} {process['name'] or '?'}: {gib(process['bytes'])} GiB ({owner})")
+    cpu, memory = node["cpu"], node["memory"]
+    print(f"CPU {cpu['cores']} cores: {cpu['leased']} leased, {cpu['schedulable']} schedulable")
+    print(f"memory {gib(memory['total'])} GiB: {gib(memory['leased'])} leased, {gib(memory['schedulable'])} schedulable")
+    waiting = {k: v for k, v in node.get("queue", {}).items() if v}
+    print("queue: " + (", ".join(f"{v} {k}" for k, v in waiting.items()) if waiting else "none waiting"))
+    return 0
+
+
+def _request_body(args: argparse.Namespace, bind: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"bind": bind}
+    for name in ("gpu_memory", "gpus", "cpu_cores", "memory", "priority", "preemption", "ttl", "deadline"):
+        value = getattr(args, name)
+        if value is not None:
+            body[name] = value
+    if args.exclusive:
+        body["exclusive"] = True
+    if args.gpu is not None:
+        body["gpu"] = int(args.gpu) if args.gpu.isdigit() else args.gpu
+    if args.wait is not None:
+        body["wait"] = FOREVER if args.wait == "forever" else args.wait
+    holder: dict[str, Any] = {}
+    if args.name:
+        holder["name"] = args.name
+    if bind == "caller":
+        holder["pid"] = os.getpid()  # the Unix socket replaces it with the kernel's word
+        holder.setdefault("name", os.path.basename(args.command[0]))
+    if holder:
+        body["holder"] = holder
+    if args.label:
+        labels = {}
+        for item in args.label:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"gpubroker: --label {item!r} is not K=V")
+            labels[key] = value
+        body["labels"] = labels
+    return body
+
+
+def _child_env(lease_env: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    if getattr(sys, "frozen", False):
+        # The bundled binary's loader sets LD_LIBRARY_PATH for itself; the work must not inherit it.
+        original = env.pop("LD_LIBRARY_PATH_ORIG", None)
+        env.pop("LD_LIBRARY_PATH", None)
+        if original is not None:
+            env["LD_LIBRARY_PATH"] = original
+    env.update(lease_env)
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the `gpubroker lease` process dies, even by kill -9."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def cmd_lease(args: argparse.Namespace) -> int:
+    client = Client(timeout=None)
+    bind = "caller" if args.command else "none"
+    try:
+        answer = client.call("POST", "/v1/leases", _request_body(args, bind))
+    except ClientError as error:
+        print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
+        return 75 if error.status in (409, 429, 503) else 1
+    lease = answer["lease"]
+    if not args.command:
+        if args.json:
+            _print_json(lease)
+        else:
+            gpus = ", ".join(f"GPU {g['index']} ({g['uuid']}) {gib(g['bytes'])} GiB" for g in lease["gpus"]) or "no GPU"
+            print(f"lease {lease['id']} granted: {gpus}; epoch {lease['epoch']}; expires {lease['expires_at']}")
+            print(f"token {lease['token']}")
+            for key, value in sorted(lease["env"].items()):
+                print(f"export {key}={value}")
+        return 0
+    return _run_under_lease(client, lease, args.command)
+
+
+def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) -> int:
+    token = {"X-Lease-Token": lease["token"]}
+    try:
+        child = subprocess.Popen(command, env=_child_env(lease["env"]), process_group=0, preexec_fn=_die_with_parent)
+    except OSError as error:
+        print(f"gpubroker: cannot run {command[0]}: {error.strerror}", file=sys.stderr)
+        client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token)
+        return 127
+    client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token)
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
+    done = threading.Event()
+
+    def renew() -> None:
+        ttl = float(lease["ttl"])
+        while not done.wait(ttl / 3):
+            try:
+                client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token)
+            except ClientError as error:
+                print(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}", file=sys.stderr)
+                if error.status in (404, 409):
+                    return
+
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
+    code = child.wait()
+    done.set()
+    try:
+        client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token)
+    except ClientError as error:
+        if error.status not in (404, 409):
+            print(f"gpubroker: releasing {lease['id']}: {error.code}: {error.message}", file=sys.stderr)
+    return code if code >= 0 else 128 - code
+
+
+def cmd_leases(args: argparse.Namespace) -> int:
+    leases = Client().call("GET", "/v1/leases", query={"state": args.state, "limit": args.limit})["leases"]
+    if args.json:
+        _print_json(leases)
+        return 0
+    if not leases:
+        print("no leases")
+        return 0
+    print(f"{'ID':16} {'STATE':9} {'CLASS':12} {'HOLDER':20} {'GPUS':24} EXPIRES / REASON")
+    for lease in leases:
+        gpus = ",".join(f"{g['index']}:{gib(g['bytes'])}" for g in lease.get("gpus", [])) or "-"
+        holder = (lease["holder"].get("name") or "-")[:20]
+        if lease["state"] == "queued":
+            tail = f"position {lease['position']}: {lease['reason']}"
+        elif lease["state"] == "granted":
+            tail = lease["expires_at"]
+        else:
+            tail = lease.get("reason") or ""
+        print(f"{lease['id']:16} {lease['state']:9} {lease['priority']:12} {holder:20} {gpus:24} {tail}")
+    return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    headers = {"X-Lease-Token": args.token} if args.token else {}
+    lease = Client().call("DELETE", f"/v1/leases/{args.id}", headers=headers)["lease"]
+    if args.json:
+        _print_json(lease)
+    else:
+        print(f"lease {lease['id']} {lease['state']}: {lease['reason']}")
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    client = Client()
+    after = args.after
+    while True:
+        answer = client.call("GET", "/v1/events", query={"after": after, "limit": 1000})
+        for event in answer["events"]:
+            if args.json:
+                print(json.dumps(event, sort_keys=True), flush=True)
+            else:
+                code = f" {event['code']}" if event.get("code") else ""
+                print(f"{event['seq']:>6} {event['time']} {event['type']}{code}: {event['message']}", flush=True)
+        after = answer["next"]
+        if not args.follow:
+            return 0
+        time.sleep(1.0)
+
+
+def cmd_self_check(args: argparse.Namespace) -> int:
+    from gpubroker.selfcheck import self_check
+
+    return self_check()
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="gpubroker", description="Leases on GPU memory, whole GPUs, CPU cores and host memory.")
+    top.add_argument("--version", action="version", version=f"gpubroker {__version__}")
+    sub = top.add_subparsers(dest="command_name", required=True)
+
+    up = sub.add_parser("up", help="run the broker in the foreground")
+    up.add_argument("--state", metavar="DIR", help="state directory (LMDB)")
+    up.add_argument("--listen", metavar="HOST:PORT", help="TCP address of the API (default 127.0.0.1:9740)")
+    up.add_argument("--socket", metavar="PATH", help="Unix socket of the API")
+    up.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    up.add_argument("--simulate-gpus", metavar="SPEC|FILE", help="simulated GPUs: 2x24GiB,1x12GiB or a TOML file")
+    up.add_argument("--name", help="this node's name (default: the hostname)")
+    up.set_defaults(run=cmd_up)
+
+    status = sub.add_parser("status", help="this node at a glance")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(run=cmd_status)
+
+    lease = sub.add_parser("lease", help="get a lease and print it, or run a command under it: lease [...] -- CMD ARGS")
+    lease.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE", help="bytes per GPU: 8GiB, 512MiB")
+    lease.add_argument("--gpus", type=int, help="how many GPUs (default 1 with --gpu-memory or --exclusive)")
+    lease.add_argument("--exclusive", action="store_true", help="whole GPUs: nothing else may be leased on them")
+    lease.add_argument("--gpu", metavar="INDEX|UUID", help="pin to one GPU")
+    lease.add_argument("--cpu-cores", dest="cpu_cores", type=int, metavar="N")
+    lease.add_argument("--memory", metavar="SIZE", help="host memory")
+    lease.add_argument("--priority", choices=CLASSES)
+    lease.add_argument("--preemption", choices=("never", "drain", "interrupt"))
+    lease.add_argument("--ttl", metavar="DURATION", help="lifetime unless renewed (default 5m)")
+    lease.add_argument("--wait", metavar="DURATION", help="how long to wait in the queue, or 'forever' (default: answer now)")
+    lease.add_argument("--deadline", metavar="RFC3339", help="the time by which it must be granted, or not at all")
+    lease.add_argument("--name", help="the holder's name (default: the command's name)")
+    lease.add_argument("--label", action="append", metavar="K=V")
+    lease.add_argument("--json", action="store_true")
+    lease.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: run under the lease")
+    lease.set_defaults(run=cmd_lease)
+
+    leases = sub.add_parser("leases", help="list leases and waiting requests")
+    leases.add_argument("--state", choices=("queued", "granted", "released", "expired", "revoked"))
+    leases.add_argument("--limit", type=int, default=1000)
+    leases.add_argument("--json", action="store_true")
+    leases.set_defaults(run=cmd_leases)
+
+    release = sub.add_parser("release", help="release a lease (or cancel a waiting request)")
+    release.add_argument("id")
+    release.add_argument("--token", help="the lease's token, when not its Unix user or root")
+    release.add_argument("--json", action="store_true")
+    release.set_defaults(run=cmd_release)
+
+    events = sub.add_parser("events", help="structured events, oldest first")
+    events.add_argument("--after", type=int, default=0, metavar="SEQ")
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    events.add_argument("--json", action="store_true")
+    events.set_defaults(run=cmd_events)
+
+    check = sub.add_parser("self-check", help="start a broker on a simulated GPU in a temporary directory, grant and release a lease")
+    check.set_defaults(run=cmd_self_check)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if getattr(args, "command", None) and args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    try:
+        code: int = args.run(args)
+    except ClientError as error:
+        print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return code

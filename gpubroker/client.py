@@ -1,0 +1,139 @@
+"""A small blocking client of the HTTP API, over the Unix socket or TCP (standard library only)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+from gpubroker.config import default_socket
+
+DEFAULT_URL = "http://127.0.0.1:9740"
+
+
+class ClientError(Exception):
+    """The broker answered with a typed failure, or could not be reached."""
+
+    def __init__(self, status: int, code: str, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details or {}
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float | None) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where the broker is: `unix:PATH`, `http://HOST:PORT` or `https://HOST:PORT`."""
+
+    url: str
+
+    @property
+    def is_unix(self) -> bool:
+        return self.url.startswith("unix:")
+
+    def connection(self, timeout: float | None) -> http.client.HTTPConnection:
+        if self.is_unix:
+            return _UnixConnection(self.url[len("unix:") :], timeout)
+        parts = urlsplit(self.url)
+        if parts.scheme == "https":
+            return http.client.HTTPSConnection(parts.netloc, timeout=timeout)
+        return http.client.HTTPConnection(parts.netloc, timeout=timeout)
+
+
+def find_broker(env: dict[str, str] | None = None) -> Endpoint:
+    """GPUBROKER_URL, then the default socket if a broker listens there, then http://127.0.0.1:9740."""
+    env = dict(os.environ) if env is None else env
+    url = env.get("GPUBROKER_URL")
+    if url:
+        if not (url.startswith("unix:") or url.startswith("http://") or url.startswith("https://")):
+            raise ClientError(0, "INVALID_REQUEST", f"GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT")
+        return Endpoint(url)
+    path = default_socket()
+    if _listening(path):
+        return Endpoint(f"unix:{path}")
+    return Endpoint(DEFAULT_URL)
+
+
+def _listening(path: Path) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(1.0)
+            sock.connect(str(path))
+        return True
+    except OSError:
+        return False
+
+
+class Client:
+    def __init__(self, endpoint: Endpoint | None = None, timeout: float | None = 30.0) -> None:
+        self.endpoint = endpoint or find_broker()
+        self.timeout = timeout
+        self.token = os.environ.get("GPUBROKER_TOKEN")
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """One request; the decoded JSON answer, or ClientError with the broker's code and message."""
+        if query:
+            path += "?" + urlencode({k: v for k, v in query.items() if v is not None})
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        if self.token:
+            sent.setdefault("Authorization", f"Bearer {self.token}")
+        payload = json.dumps(body).encode() if body is not None else None
+        connection = self.endpoint.connection(timeout if timeout is not None else self.timeout)
+        try:
+            connection.request(method, path, body=payload, headers=sent)
+            response = connection.getresponse()
+            raw = response.read()
+        except OSError as error:
+            raise ClientError(
+                0, "UNREACHABLE", f"no broker answers at {self.endpoint.url} ({error}); start one with `gpubroker up`"
+            ) from None
+        finally:
+            connection.close()
+        try:
+            answer = json.loads(raw) if raw else {}
+        except ValueError:
+            answer = {"text": raw.decode(errors="replace")}
+        if response.status >= 400:
+            failure = answer.get("error", {}) if isinstance(answer, dict) else {}
+            raise ClientError(
+                response.status,
+                failure.get("code", str(response.status)),
+                failure.get("message", raw.decode(errors="replace")),
+                failure.get("details"),
+            )
+        return answer
+
+    def text(self, path: str) -> str:
+        connection = self.endpoint.connection(self.timeout)
+        try:
+            connection.request("GET", path)
+            return connection.getresponse().read().decode()
+        finally:
+            connection.close()

@@ -1,0 +1,204 @@
+"""One frozen Config, read from one TOML file; SETTINGS lists every setting with its default and help."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from socket import gethostname
+from typing import Any
+
+from gpubroker.units import UnitError, parse_duration, parse_size
+
+CLASSES = ("production", "interactive", "background", "benchmark", "maintenance")
+
+
+def default_state_dir() -> Path:
+    """`/var/lib/gpubroker` for root, else `$XDG_STATE_HOME/gpubroker` (`~/.local/state/gpubroker`)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/gpubroker")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "gpubroker"
+
+
+def default_socket() -> Path:
+    """The socket `gpubroker up` uses when given none, and where clients look first."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "gpubroker" / "api.sock"
+    if os.geteuid() == 0:
+        return Path("/run/gpubroker/api.sock")
+    return default_state_dir() / "api.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """Requests from a Unix user or a holder name pattern get this class, whatever they asked."""
+
+    priority: str
+    user: str | None = None
+    holder: str | None = None
+
+    def matches(self, user: str | None, holder: str | None) -> bool:
+        if self.user is not None and self.user != user:
+            return False
+        if self.holder is not None and (holder is None or not fnmatch.fnmatchcase(holder, self.holder)):
+            return False
+        return self.user is not None or self.holder is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    name: str
+    default: Any
+    help: str
+    parse: Callable[[Any], Any]
+
+
+def _host_port(value: Any) -> str:
+    text = str(value)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return text
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{value!r} is not a positive integer")
+    return value
+
+
+def _hosts(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(h, str) for h in value):
+        raise ValueError(f"{value!r} is not a list of host names")
+    return tuple(value)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "state_dir",
+        None,
+        "where LMDB keeps leases, epochs and events (default: /var/lib/gpubroker as root, else ~/.local/state/gpubroker)",
+        lambda v: Path(str(v)),
+    ),
+    Setting("listen", "127.0.0.1:9740", "TCP address of the HTTP API and metrics", _host_port),
+    Setting(
+        "socket",
+        None,
+        "Unix socket of the HTTP API (default: $XDG_RUNTIME_DIR/gpubroker/api.sock, /run/gpubroker/api.sock as root, else in the state directory)",
+        lambda v: Path(str(v)),
+    ),
+    Setting("name", None, "this node's name (default: the hostname)", str),
+    Setting(
+        "simulate_gpus", None, "simulated GPUs instead of NVML: a spec like 2x24GiB,1x12GiB or a TOML file re-read at every sample", str
+    ),
+    Setting("reserve", 2**30, "memory per GPU that is never leased: the safety margin", parse_size),
+    Setting("staleness", 5.0, "a GPU decision is never made on a reading older than this", parse_duration),
+    Setting("sample_interval", 1.0, "how often the GPUs are read", parse_duration),
+    Setting("queue_limit", 16, "waiting requests per class on this node; the next gets QUEUE_FULL", _positive_int),
+    Setting("default_ttl", 300.0, "a lease's lifetime unless the request gives a ttl", parse_duration),
+    Setting("kill_grace", 10.0, "after a holder dies, its process groups get SIGTERM, then SIGKILL after this", parse_duration),
+    Setting("reclaim_grace", 10.0, "after a release, GPU memory still in use after this raises GPU_MEMORY_NOT_RECLAIMED", parse_duration),
+    Setting("production_eligible", True, "whether this node serves production requests (else CAPABILITY_UNAVAILABLE)", _bool),
+    Setting("allowed_hosts", (), "Host headers accepted besides localhost and the listen address (against DNS rebinding)", _hosts),
+    Setting("max_body", 64 * 2**10, "the largest request body accepted (larger gets 413)", parse_size),
+    Setting("events_kept", 10_000, "events kept in the store; older ones are dropped", _positive_int),
+    Setting("leases_kept", 1_000, "ended leases kept in the store for `leases --state released`", _positive_int),
+    Setting("store_size", 2**30, "the most the LMDB store may grow to; when full, requests fail with STORE_FULL", parse_size),
+)
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    state_dir: Path = field(default_factory=default_state_dir)
+    listen: str = "127.0.0.1:9740"
+    socket: Path | None = None
+    name: str = field(default_factory=gethostname)
+    simulate_gpus: str | None = None
+    reserve: int = 2**30
+    staleness: float = 5.0
+    sample_interval: float = 1.0
+    queue_limit: int = 16
+    default_ttl: float = 300.0
+    kill_grace: float = 10.0
+    reclaim_grace: float = 10.0
+    production_eligible: bool = True
+    allowed_hosts: tuple[str, ...] = ()
+    max_body: int = 64 * 2**10
+    events_kept: int = 10_000
+    leases_kept: int = 1_000
+    store_size: int = 2**30
+    stamps: tuple[Stamp, ...] = ()
+
+    @property
+    def socket_path(self) -> Path:
+        return self.socket if self.socket is not None else default_socket()
+
+    def stamped_class(self, requested: str, user: str | None, holder: str | None) -> str:
+        """The class a request gets once this node's stamps are applied."""
+        for stamp in self.stamps:
+            if stamp.matches(user, holder):
+                return stamp.priority
+        return requested
+
+
+class ConfigError(ValueError):
+    """A configuration file or flag that cannot be used, named with the setting."""
+
+
+def _parse_setting(name: str, value: Any) -> Any:
+    setting = _BY_NAME.get(name)
+    if setting is None:
+        raise ConfigError(f"unknown setting {name!r}; the settings are: {', '.join(_BY_NAME)}")
+    try:
+        return setting.parse(value)
+    except (ValueError, UnitError, TypeError) as error:
+        raise ConfigError(f"setting {name}: {error}") from None
+
+
+def _parse_stamps(value: Any) -> tuple[Stamp, ...]:
+    if not isinstance(value, list):
+        raise ConfigError("[[stamp]] must be a list of tables with priority and user or holder")
+    stamps = []
+    for table in value:
+        if not isinstance(table, dict) or set(table) - {"priority", "user", "holder"}:
+            raise ConfigError(f"[[stamp]] {table!r}: only priority, user and holder are allowed")
+        if table.get("priority") not in CLASSES:
+            raise ConfigError(f"[[stamp]] {table!r}: priority must be one of {', '.join(CLASSES)}")
+        if "user" not in table and "holder" not in table:
+            raise ConfigError(f"[[stamp]] {table!r}: name a user or a holder pattern")
+        user, holder = table.get("user"), table.get("holder")
+        stamps.append(Stamp(table["priority"], str(user) if user is not None else None, str(holder) if holder is not None else None))
+    return tuple(stamps)
+
+
+def load_config(path: Path | None = None, **overrides: Any) -> Config:
+    """The Config from a TOML file (if any), then flags given as overrides (None = not given)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            document = tomllib.loads(path.read_text())
+        except OSError as error:
+            raise ConfigError(f"{path}: {error.strerror}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"{path}: {error}") from None
+        for name, value in document.items():
+            if name == "stamp":
+                values["stamps"] = _parse_stamps(value)
+            else:
+                values[name] = _parse_setting(name, value)
+    for name, value in overrides.items():
+        if value is not None:
+            values[name] = _parse_setting(name, value)
+    return replace(Config(), **values)

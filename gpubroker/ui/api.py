@@ -1,0 +1,223 @@
+"""The HTTP API of SPEC §4 on aiohttp: JSON under /v1, one error shape, the caller from the kernel."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from gpubroker.broker.lease import ENDED, LIVE
+from gpubroker.broker.request import parse_request
+from gpubroker.broker.service import Broker, Caller
+from gpubroker.config import Config
+from gpubroker.errors import BrokerError, Forbidden, InvalidRequest, NotFound
+from gpubroker.ui.metrics import Metrics
+from gpubroker.ui.openapi import OPENAPI
+from gpubroker.units import UnitError, parse_duration
+
+BROKER = web.AppKey("broker", Broker)
+CONFIG = web.AppKey("config", Config)
+METRICS = web.AppKey("metrics", Metrics)
+CONFIG_HOSTS = web.AppKey("allowed_hosts", frozenset)
+STATES = ("queued", LIVE, *ENDED)
+_PEERCRED = struct.Struct("3i")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(error: BrokerError) -> web.Response:
+    return web.json_response(error.to_json(), status=error.status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves in the one error shape, with its status from SPEC §3.6."""
+    try:
+        return await handler(request)
+    except BrokerError as error:
+        return _error(error)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG].max_body
+        return _error(InvalidRequest(f"the request body is larger than {limit} bytes (max_body)", {"max_body": limit}, status=413))
+    except web.HTTPNotFound:
+        return _error(NotFound(f"no such path: {request.path}", {"path": request.path}))
+    except web.HTTPMethodNotAllowed as error:
+        return _error(
+            InvalidRequest(
+                f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(error.allowed_methods))}",
+                {"path": request.path},
+                status=405,
+            )
+        )
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        return _error(InvalidRequest(f"{error.reason}", {"status": error.status}, status=error.status))
+
+
+def _allowed_hosts(config: Config) -> frozenset[str]:
+    host = config.listen.rpartition(":")[0].strip("[]")
+    return frozenset({"localhost", "127.0.0.1", "::1", host, *config.allowed_hosts})
+
+
+@web.middleware
+async def host_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Against DNS rebinding: on TCP, the Host must be localhost, the listen address or an allowed host."""
+    if _caller(request).transport == "tcp":
+        host = request.headers.get("Host", "")
+        name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]", 1)[0]
+        if name.lower() not in request.app[CONFIG_HOSTS]:
+            raise Forbidden(
+                f"Host {host!r} is not this broker's address; add it to allowed_hosts to reach the API by that name", {"host": host}
+            )
+    return await handler(request)
+
+
+def _caller(request: web.Request) -> Caller:
+    """On the Unix socket the kernel names the caller (SO_PEERCRED); on TCP nobody does."""
+    cached = request.get("caller")
+    if isinstance(cached, Caller):
+        return cached
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    caller = Caller("tcp")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        caller = Caller("unix", uid=uid, pid=pid or None)
+    request["caller"] = caller
+    return caller
+
+
+async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
+    raw = await request.read()
+    if not raw.strip() and optional:
+        return {}
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise InvalidRequest("the body is not valid JSON") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _int_query(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    value = request.query.get(name)
+    if value is None:
+        return default
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise InvalidRequest(f"{name} must be an integer from {low} to {high}, not {value!r}", {"field": name})
+    return int(value)
+
+
+def _token(request: web.Request) -> str | None:
+    return request.headers.get("X-Lease-Token")
+
+
+async def create_lease(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    lease_request = parse_request(await _json_body(request))
+    lease, token = await broker.request(lease_request, _caller(request))
+    return web.json_response({"lease": lease.to_json(token)}, status=201)
+
+
+async def list_leases(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    state = request.query.get("state")
+    if state is not None and state not in STATES:
+        raise InvalidRequest(f"state must be one of {', '.join(STATES)}, not {state!r}", {"field": "state"})
+    limit = _int_query(request, "limit", 1000, 1, 100_000)
+    node = request.query.get("node")
+    leases = [] if node not in (None, broker.node_id, broker.config.name) else broker.list_leases(state, limit)
+    return web.json_response({"leases": leases})
+
+
+async def get_lease(request: web.Request) -> web.Response:
+    return web.json_response({"lease": request.app[BROKER].get(request.match_info["id"])})
+
+
+async def renew_lease(request: web.Request) -> web.Response:
+    body = await _json_body(request, optional=True)
+    if not isinstance(body, dict) or set(body) - {"ttl"}:
+        raise InvalidRequest('a renewal is an empty body or {"ttl": DURATION}')
+    ttl = None
+    if body.get("ttl") is not None:
+        try:
+            ttl = parse_duration(body["ttl"])
+        except UnitError as error:
+            raise InvalidRequest(f"ttl: {error}", {"field": "ttl"}) from None
+        if ttl < 1:
+            raise InvalidRequest("ttl: must be at least 1s", {"field": "ttl"})
+    lease = await request.app[BROKER].renew(request.match_info["id"], _caller(request), _token(request), ttl)
+    return web.json_response({"lease": lease.to_json()})
+
+
+async def add_process_group(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    pgid = body.get("pgid") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or set(body) != {"pgid"} or isinstance(pgid, bool) or not isinstance(pgid, int) or not 1 < pgid < 2**22:
+        raise InvalidRequest('register a process group as {"pgid": N} with N a process group id', {"field": "pgid"})
+    lease = await request.app[BROKER].register_group(request.match_info["id"], _caller(request), _token(request), pgid)
+    return web.json_response({"lease": lease.to_json()})
+
+
+async def release_lease(request: web.Request) -> web.Response:
+    lease = await request.app[BROKER].release(request.match_info["id"], _caller(request), _token(request))
+    return web.json_response({"lease": lease.to_json()})
+
+
+async def node(request: web.Request) -> web.Response:
+    return web.json_response(request.app[BROKER].node_json())
+
+
+async def cluster(request: web.Request) -> web.Response:
+    """Until the mesh exists, the cluster is this node alone."""
+    broker = request.app[BROKER]
+    return web.json_response(
+        {"nodes": [{**broker.node_json(), "state": "alive", "age": 0.0}], "coordinator": {"id": broker.node_id, "epoch": 0}}
+    )
+
+
+async def events(request: web.Request) -> web.Response:
+    after = _int_query(request, "after", 0, 0, 2**62)
+    limit = _int_query(request, "limit", 100, 1, 1000)
+    found, next_seq = request.app[BROKER].events(after, limit)
+    return web.json_response({"events": found, "next": next_seq})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    return web.json_response({"ok": True, "node": broker.node_id, "driver_error": broker.driver_error})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(OPENAPI)
+
+
+def make_app(broker: Broker) -> web.Application:
+    config = broker.config
+    app = web.Application(middlewares=[errors_middleware, host_middleware], client_max_size=config.max_body)
+    app[BROKER] = broker
+    app[CONFIG] = config
+    app[CONFIG_HOSTS] = _allowed_hosts(config)
+    app[METRICS] = Metrics(broker)
+    app.router.add_post("/v1/leases", create_lease)
+    app.router.add_get("/v1/leases", list_leases)
+    app.router.add_get("/v1/leases/{id}", get_lease)
+    app.router.add_delete("/v1/leases/{id}", release_lease)
+    app.router.add_post("/v1/leases/{id}/renew", renew_lease)
+    app.router.add_post("/v1/leases/{id}/processes", add_process_group)
+    app.router.add_get("/v1/node", node)
+    app.router.add_get("/v1/cluster", cluster)
+    app.router.add_get("/v1/events", events)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/openapi.json", openapi)
+    return app

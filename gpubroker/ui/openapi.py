@@ -1,0 +1,251 @@
+"""The OpenAPI document served at /openapi.json: the truth the tests fuzz."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpubroker import __version__
+from gpubroker.broker.request import BINDS, MAX_GPUS, PREEMPTIONS
+from gpubroker.config import CLASSES
+from gpubroker.errors import FailureCode
+
+_SIZE = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^\d+(\.\d+)?\s*([KMGT]i?B|B)?$"}]}
+_DURATION = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^\d+(\.\d+)?\s*(ms|s|m|h)?$"}]}
+_ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+_TOKEN = {"name": "X-Lease-Token", "in": "header", "required": False, "schema": {"type": "string"}}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _error_responses(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": "a typed failure", "content": {"application/json": {"schema": _ref("Error")}}} for s in statuses}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_LEASE_ANSWER = {"type": "object", "required": ["lease"], "properties": {"lease": _ref("Lease")}}
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.0.3",
+    "info": {"title": "gpubroker", "version": __version__, "description": "Leases on GPU memory, whole GPUs, CPU cores and host memory."},
+    "paths": {
+        "/v1/leases": {
+            "post": {
+                "operationId": "requestLease",
+                "summary": "request a lease; blocks up to `wait`",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("LeaseRequest")}}},
+                "responses": {"201": _json(_LEASE_ANSWER, "granted"), **_error_responses(400, 403, 409, 413, 429, 503, 507)},
+            },
+            "get": {
+                "operationId": "listLeases",
+                "parameters": [
+                    {
+                        "name": "state",
+                        "in": "query",
+                        "schema": {"type": "string", "enum": ["queued", "granted", "released", "expired", "revoked"]},
+                    },
+                    {"name": "node", "in": "query", "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100000, "default": 1000}},
+                ],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["leases"],
+                            "properties": {"leases": {"type": "array", "items": {"type": "object"}}},
+                        },
+                        "leases",
+                    ),
+                    **_error_responses(400),
+                },
+            },
+        },
+        "/v1/leases/{id}": {
+            "get": {
+                "operationId": "getLease",
+                "parameters": [_ID],
+                "responses": {"200": _json(_LEASE_ANSWER, "one lease or waiting request"), **_error_responses(404)},
+            },
+            "delete": {
+                "operationId": "releaseLease",
+                "summary": "release a lease (its Unix user, root, or its token)",
+                "parameters": [_ID, _TOKEN],
+                "responses": {"200": _json(_LEASE_ANSWER, "released"), **_error_responses(403, 404, 409, 507)},
+            },
+        },
+        "/v1/leases/{id}/renew": {
+            "post": {
+                "operationId": "renewLease",
+                "parameters": [_ID, _TOKEN],
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {"schema": {"type": "object", "additionalProperties": False, "properties": {"ttl": _DURATION}}}
+                    },
+                },
+                "responses": {"200": _json(_LEASE_ANSWER, "renewed"), **_error_responses(400, 403, 404, 409, 413, 507)},
+            }
+        },
+        "/v1/leases/{id}/processes": {
+            "post": {
+                "operationId": "registerProcessGroup",
+                "summary": "register a process group with the lease: its memory is the lease's, and it is signalled when the lease ends",
+                "parameters": [_ID, _TOKEN],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["pgid"],
+                                "additionalProperties": False,
+                                "properties": {"pgid": {"type": "integer", "minimum": 2}},
+                            }
+                        }
+                    },
+                },
+                "responses": {"200": _json(_LEASE_ANSWER, "registered"), **_error_responses(400, 403, 404, 409, 413, 507)},
+            }
+        },
+        "/v1/node": {"get": {"operationId": "getNode", "responses": {"200": _json(_ref("Node"), "this node")}}},
+        "/v1/cluster": {
+            "get": {
+                "operationId": "getCluster",
+                "responses": {"200": _json({"type": "object", "required": ["nodes"]}, "every node the mesh knows")},
+            }
+        },
+        "/v1/events": {
+            "get": {
+                "operationId": "listEvents",
+                "parameters": [
+                    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}},
+                ],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["events", "next"],
+                            "properties": {"events": {"type": "array", "items": _ref("Event")}, "next": {"type": "integer"}},
+                        },
+                        "events",
+                    ),
+                    **_error_responses(400),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "operationId": "metrics",
+                "responses": {"200": {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+            }
+        },
+        "/healthz": {"get": {"operationId": "healthz", "responses": {"200": _json({"type": "object", "required": ["ok"]}, "alive")}}},
+    },
+    "components": {
+        "schemas": {
+            "LeaseRequest": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "gpu_memory": _SIZE,
+                    "gpus": {"type": "integer", "minimum": 0, "maximum": MAX_GPUS},
+                    "exclusive": {"type": "boolean"},
+                    "gpu": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}]},
+                    "cpu_cores": {"type": "integer", "minimum": 0},
+                    "memory": _SIZE,
+                    "priority": {"type": "string", "enum": list(CLASSES)},
+                    "preemption": {"type": "string", "enum": list(PREEMPTIONS)},
+                    "ttl": _DURATION,
+                    "wait": _DURATION,
+                    "deadline": {"type": "string", "format": "date-time"},
+                    "holder": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"name": {"type": "string", "minLength": 1}, "pid": {"type": "integer", "minimum": 1}},
+                    },
+                    "bind": {"type": "string", "enum": list(BINDS)},
+                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                },
+            },
+            "Lease": {
+                "type": "object",
+                "required": ["id", "state", "node", "priority", "holder"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "state": {"type": "string", "enum": ["queued", "granted", "released", "expired", "revoked"]},
+                    "node": {"type": "string"},
+                    "epoch": {"type": "integer"},
+                    "priority": {"type": "string", "enum": list(CLASSES)},
+                    "preemption": {"type": "string", "enum": list(PREEMPTIONS)},
+                    "bind": {"type": "string", "enum": list(BINDS)},
+                    "holder": {"type": "object"},
+                    "gpus": {"type": "array", "items": {"type": "object", "required": ["index", "uuid", "bytes", "epoch"]}},
+                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "token": {"type": "string", "description": "only in the answer to the request that was granted"},
+                    "expires_at": {"type": "string", "format": "date-time"},
+                    "reason": {"type": "string", "nullable": True},
+                },
+            },
+            "Figures": {
+                "type": "object",
+                "required": ["total", "observed", "external", "resident", "leased", "reserve", "schedulable"],
+                "properties": {
+                    name: {"type": "integer", "minimum": 0}
+                    for name in ("total", "observed", "external", "resident", "leased", "reserve", "schedulable")
+                },
+            },
+            "Node": {
+                "type": "object",
+                "required": ["node", "gpus", "cpu", "memory"],
+                "properties": {
+                    "node": {"type": "object", "required": ["id", "name", "production_eligible", "version"]},
+                    "gpus": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["index", "uuid", "name", "observed_at", "figures", "processes"],
+                            "properties": {"figures": _ref("Figures")},
+                        },
+                    },
+                    "cpu": {"type": "object"},
+                    "memory": {"type": "object"},
+                },
+            },
+            "Event": {
+                "type": "object",
+                "required": ["seq", "time", "type", "message", "details", "node"],
+                "properties": {
+                    "seq": {"type": "integer"},
+                    "time": {"type": "string"},
+                    "type": {"type": "string"},
+                    "code": {"type": "string"},
+                    "message": {"type": "string"},
+                    "details": {"type": "object"},
+                    "node": {"type": "string"},
+                    "lease": {"type": "string"},
+                    "gpu": {"type": "string"},
+                },
+            },
+            "Error": {
+                "type": "object",
+                "required": ["error"],
+                "properties": {
+                    "error": {
+                        "type": "object",
+                        "required": ["code", "message", "details"],
+                        "properties": {
+                            "code": {"type": "string", "enum": [c.value for c in FailureCode]},
+                            "message": {"type": "string"},
+                            "details": {"type": "object"},
+                        },
+                    }
+                },
+            },
+        }
+    },
+}

@@ -1,0 +1,94 @@
+"""Sizes, durations and times as SPEC §3.1 writes them, and how figures are printed."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_NUMBER_WITH_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+# Far beyond any real card or machine; keeps arithmetic and JSON integers sane.
+MAX_BYTES = 2**60
+MAX_SECONDS = 10 * 365 * 86400.0
+
+
+class UnitError(ValueError):
+    """A size, duration or time that is not written as SPEC §3.1 allows."""
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an integer or a string such as `8GiB`, `512MiB` or `8GB`."""
+    if isinstance(value, bool):
+        raise UnitError(f"size must be bytes or a string with a unit, not {value!r}")
+    if isinstance(value, int):
+        number: float = value
+        unit = ""
+    elif isinstance(value, str):
+        match = _NUMBER_WITH_UNIT.match(value)
+        if not match or match.group(2).upper() not in _SIZE_UNITS:
+            raise UnitError(f"size {value!r} is not bytes or a number with a unit (8GiB, 512MiB, 8GB)")
+        number = float(match.group(1))
+        unit = match.group(2).upper()
+    else:
+        raise UnitError(f"size must be bytes or a string with a unit, not {type(value).__name__}")
+    size = int(number * _SIZE_UNITS[unit])
+    if size < 0 or size > MAX_BYTES:
+        raise UnitError(f"size {value!r} is out of range (0 to 2^60 bytes)")
+    return size
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from an integer or a string such as `500ms`, `30s`, `10m` or `1h`."""
+    if isinstance(value, bool):
+        raise UnitError(f"duration must be seconds or a string with a unit, not {value!r}")
+    if isinstance(value, int):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = _NUMBER_WITH_UNIT.match(value)
+        unit = match.group(2) if match else None
+        if not match or (unit and unit not in _DURATION_UNITS):
+            raise UnitError(f"duration {value!r} is not seconds or a number with a unit (500ms, 30s, 10m, 1h)")
+        seconds = float(match.group(1)) * _DURATION_UNITS[unit or "s"]
+    else:
+        raise UnitError(f"duration must be seconds or a string with a unit, not {type(value).__name__}")
+    if seconds < 0 or seconds > MAX_SECONDS:
+        raise UnitError(f"duration {value!r} is out of range (0 to 10 years)")
+    return seconds
+
+
+def parse_time(value: object) -> float:
+    """A Unix time from an RFC 3339 string (`2026-11-30T10:00:00Z`)."""
+    if not isinstance(value, str) or "T" not in value.upper():
+        raise UnitError(f"time {value!r} is not RFC 3339 (2026-11-30T10:00:00Z)")
+    try:
+        parsed = datetime.fromisoformat(value.replace("z", "Z"))
+    except ValueError:
+        raise UnitError(f"time {value!r} is not RFC 3339 (2026-11-30T10:00:00Z)") from None
+    if parsed.tzinfo is None:
+        raise UnitError(f"time {value!r} has no time zone; RFC 3339 needs one (Z or +01:00)")
+    return parsed.timestamp()
+
+
+def rfc3339(timestamp: float) -> str:
+    """The RFC 3339 form of a Unix time, in UTC, to the millisecond."""
+    moment = datetime.fromtimestamp(timestamp, UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def gib(size: int | None) -> str:
+    """A size as GiB with one decimal, as every message prints figures."""
+    if size is None:
+        return "unmeasured"
+    return f"{size / 2**30:.1f}"

@@ -1,0 +1,252 @@
+"""NvmlProbe against a fake pynvml that raises and returns what the real bindings do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pynvml
+import pytest
+from fake_pynvml import GIB, VANISHED_PID, FakeGpu, FakeNvml
+
+from gpubroker.broker.nvml import NvmlProbe
+from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError
+
+NOW = 1_700_000_000.5
+
+
+def probe(nvml: FakeNvml) -> NvmlProbe:
+    return NvmlProbe(nvml, clock=lambda: NOW)
+
+
+def test_readings_carry_uuid_total_used_and_real_local_process_ancestry() -> None:
+    me = os.getpid()
+    gpus = [
+        FakeGpu(uuid="GPU-aaaa", name="NVIDIA H200", total=141 * GIB, used=5 * GIB, compute=[(me, 3 * GIB)]),
+        FakeGpu(uuid="GPU-bbbb", name="NVIDIA L4", total=24 * GIB, used=GIB // 2),
+    ]
+
+    readings = probe(FakeNvml(gpus)).sample()
+
+    assert readings[1] == GpuReading(1, "GPU-bbbb", "NVIDIA L4", 24 * GIB, GIB // 2, NOW, ())
+    first = readings[0]
+    assert (first.index, first.uuid, first.name) == (0, "GPU-aaaa", "NVIDIA H200")
+    assert (first.total, first.used, first.observed_at) == (141 * GIB, 5 * GIB, NOW)
+    assert first.processes is not None
+    [mine] = first.processes
+    assert (mine.pid, mine.name, mine.bytes) == (me, psutil.Process().name(), 3 * GIB)
+    assert mine.pgid == os.getpgid(0)
+    assert mine.ancestors[0] == os.getppid()
+    assert mine.ancestors == tuple(parent.pid for parent in psutil.Process().parents())
+
+
+def test_a_machine_without_a_driver_raises_a_probe_error_not_a_crash() -> None:
+    with pytest.raises(ProbeError, match=r"^no NVIDIA driver: NVML Shared Library Not Found"):
+        probe(FakeNvml([FakeGpu()], driver_missing=True)).sample()
+
+
+def test_a_driver_that_appears_later_is_initialised_on_the_next_sample() -> None:
+    nvml = FakeNvml([FakeGpu()], driver_missing=True)
+    gpus = probe(nvml)
+    with pytest.raises(ProbeError):
+        gpus.sample()
+
+    nvml.driver_missing = False
+
+    assert len(gpus.sample()) == 1
+    assert len(gpus.sample()) == 1
+    assert nvml.calls.count("nvmlInit") == 2  # the failed one and the first success, never again
+    assert nvml.init_calls == 1
+
+
+def test_bindings_that_are_not_installed_are_a_probe_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
+
+    with pytest.raises(ProbeError, match="nvidia-ml-py"):
+        NvmlProbe().sample()
+
+
+def test_the_real_bindings_either_read_gpus_or_say_there_is_no_driver() -> None:
+    real = NvmlProbe()
+    try:
+        outcome: list[GpuReading] | str = real.sample()
+    except ProbeError as error:
+        outcome = str(error)
+    finally:
+        real.close()
+
+    if isinstance(outcome, str):
+        assert outcome.startswith("no NVIDIA driver")
+    else:
+        assert all(reading.total > 0 and 0 <= reading.used <= reading.total for reading in outcome)
+
+
+def test_a_machine_with_a_driver_and_no_gpus_reports_no_readings() -> None:
+    assert probe(FakeNvml([])).sample() == []
+
+
+@pytest.mark.parametrize(
+    "gpu",
+    [
+        FakeGpu(processes_not_supported=True),
+        FakeGpu(
+            errors={
+                "nvmlDeviceGetComputeRunningProcesses": pynvml.NVML_ERROR_NO_PERMISSION,
+                "nvmlDeviceGetGraphicsRunningProcesses": pynvml.NVML_ERROR_NOT_SUPPORTED,
+            }
+        ),
+    ],
+    ids=["not-supported", "no-permission"],
+)
+def test_a_gpu_whose_process_list_is_not_supported_reports_processes_as_none(gpu: FakeGpu) -> None:
+    listed = FakeGpu(compute=[(VANISHED_PID, GIB)])
+
+    readings = probe(FakeNvml([gpu, listed])).sample()
+
+    assert readings[0].processes is None
+    assert readings[1].processes == (GpuProcess(VANISHED_PID, "", GIB),)
+
+
+def test_a_compute_only_gpu_without_a_graphics_list_still_reports_its_compute_processes() -> None:
+    errors = {"nvmlDeviceGetGraphicsRunningProcesses": pynvml.NVML_ERROR_NOT_SUPPORTED}
+    gpu = FakeGpu(compute=[(VANISHED_PID, 2 * GIB)], errors=errors)
+
+    [reading] = probe(FakeNvml([gpu])).sample()
+
+    assert reading.processes == (GpuProcess(VANISHED_PID, "", 2 * GIB),)
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["one-list", "both-lists"])
+def test_bindings_newer_than_the_driver_leave_processes_unlisted_not_the_gpu_unread(both: bool) -> None:
+    missing = {"nvmlDeviceGetComputeRunningProcesses": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
+    if both:
+        missing["nvmlDeviceGetGraphicsRunningProcesses"] = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+    gpu = FakeGpu(used=3 * GIB, compute=[(VANISHED_PID, GIB)], graphics=[(VANISHED_PID + 1, GIB)], errors=missing)
+
+    [reading] = probe(FakeNvml([gpu])).sample()
+
+    assert reading.used == 3 * GIB
+    assert reading.processes == (None if both else (GpuProcess(VANISHED_PID + 1, "", GIB),))
+
+
+def test_a_process_that_vanishes_between_calls_keeps_its_bytes_without_a_name() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert psutil.pid_exists(child.pid)
+
+    def vanish(index: int) -> None:
+        child.kill()
+        child.wait()
+
+    try:
+        nvml = FakeNvml([FakeGpu(compute=[(child.pid, 4 * GIB)])], after_process_list=vanish)
+        [reading] = probe(nvml).sample()
+    finally:
+        child.kill()
+        child.wait()
+
+    assert reading.processes == (GpuProcess(child.pid, "", 4 * GIB, pgid=None, ancestors=()),)
+
+
+@pytest.mark.parametrize("raw_structs", [False, True], ids=["current-bindings", "older-bindings"])
+def test_unavailable_process_memory_is_absent_not_zero(raw_structs: bool) -> None:
+    gpu = FakeGpu(compute=[(VANISHED_PID, None)], graphics=[(VANISHED_PID + 1, 0)])
+
+    [reading] = probe(FakeNvml([gpu], raw_structs=raw_structs)).sample()
+
+    assert reading.processes == (GpuProcess(VANISHED_PID, "", None), GpuProcess(VANISHED_PID + 1, "", 0))
+
+
+def test_compute_and_graphics_lists_are_merged_by_pid() -> None:
+    a, b, c, d = (VANISHED_PID + n for n in range(4))
+    gpu = FakeGpu(
+        compute=[(a, 100), (b, None), (c, 500), (d, None)],
+        graphics=[(a, 300), (b, 200), (c, 400), (d, None), (a + 10, 7)],
+    )
+
+    [reading] = probe(FakeNvml([gpu])).sample()
+
+    assert reading.processes is not None
+    assert {p.pid: p.bytes for p in reading.processes} == {a: 300, b: 200, c: 500, d: None, a + 10: 7}
+    assert len(reading.processes) == 5
+
+
+def test_a_lost_gpu_is_a_probe_error_naming_it() -> None:
+    nvml = FakeNvml([FakeGpu(), FakeGpu(lost=True)])
+
+    with pytest.raises(ProbeError, match=r"^nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost") as caught:
+        probe(nvml).sample()
+
+    assert isinstance(caught.value.__cause__, pynvml.NVMLError_GpuIsLost)
+
+
+@pytest.mark.parametrize(
+    ("function", "code", "says"),
+    [
+        ("nvmlDeviceGetMemoryInfo", pynvml.NVML_ERROR_UNKNOWN, "Unknown Error"),
+        ("nvmlDeviceGetUUID", pynvml.NVML_ERROR_GPU_IS_LOST, "GPU is lost"),
+        ("nvmlDeviceGetComputeRunningProcesses", pynvml.NVML_ERROR_TIMEOUT, "Timeout"),
+        ("nvmlDeviceGetGraphicsRunningProcesses", pynvml.NVML_ERROR_RESET_REQUIRED, "GPU requires restart"),
+    ],
+)
+def test_any_other_nvml_error_names_the_function_and_the_gpu(function: str, code: int, says: str) -> None:
+    nvml = FakeNvml([FakeGpu(), FakeGpu(errors={function: code})])
+
+    with pytest.raises(ProbeError, match=rf"^{function} on GPU 1: {says} \(NVML error {code}\)$"):
+        probe(nvml).sample()
+
+
+def test_a_count_that_fails_is_a_probe_error_naming_the_function() -> None:
+    nvml = FakeNvml([FakeGpu()], errors={"nvmlDeviceGetCount": pynvml.NVML_ERROR_UNKNOWN})
+
+    with pytest.raises(ProbeError, match=r"^nvmlDeviceGetCount: Unknown Error"):
+        probe(nvml).sample()
+
+
+def test_an_nvml_shut_down_behind_the_probe_is_initialised_again() -> None:
+    nvml = FakeNvml([FakeGpu()])
+    gpus = probe(nvml)
+    gpus.sample()
+    nvml.nvmlShutdown()  # someone else's shutdown drops the library's count to zero
+
+    with pytest.raises(ProbeError, match="Uninitialized"):
+        gpus.sample()
+
+    assert len(gpus.sample()) == 1
+    assert nvml.init_calls == 2
+
+
+def test_uuid_and_name_given_as_bytes_by_older_bindings_are_decoded() -> None:
+    [reading] = probe(FakeNvml([FakeGpu(uuid="GPU-cccc", name="Tesla T4")], bytes_strings=True)).sample()
+
+    assert (reading.uuid, reading.name) == ("GPU-cccc", "Tesla T4")
+
+
+def test_close_shuts_nvml_down_once_and_only_after_it_was_initialised() -> None:
+    nvml = FakeNvml([FakeGpu()])
+    gpus = probe(nvml)
+    gpus.close()
+    assert nvml.shutdown_calls == 0
+
+    gpus.sample()
+    gpus.close()
+    gpus.close()
+
+    assert nvml.shutdown_calls == 1
+
+
+def test_the_fake_returns_the_real_bindings_types() -> None:
+    nvml = FakeNvml([FakeGpu(compute=[(VANISHED_PID, 1)])])
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        nvml.nvmlDeviceGetCount()
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+
+    assert type(nvml.nvmlDeviceGetMemoryInfo(handle)) is pynvml.c_nvmlMemory_t
+    [process] = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    assert type(process) is pynvml.nvmlFriendlyObject
+    assert (process.pid, process.usedGpuMemory) == (VANISHED_PID, 1)
+    assert nvml.NVMLError_NotSupported is pynvml.NVMLError_NotSupported
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nvml.nvmlDeviceGetHandleByIndex(1)
