@@ -134,8 +134,9 @@ class Broker:
         self._lease_epoch = int(epochs.get("lease", 0))
         self._gpu_epochs = {str(k): int(v) for k, v in epochs.get("gpu", {}).items()}
         for record in loaded.ended:
+            key = seq_key(int(record.pop("_end", 0)))
             lease = Lease.from_record(record)
-            self.ended[lease.id] = (seq_key(int(record.get("_end", 0))), lease)
+            self.ended[lease.id] = (key, lease)
         for record in loaded.leases:
             lease = Lease.from_record(record)
             self.leases[lease.id] = lease

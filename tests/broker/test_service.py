@@ -1,0 +1,453 @@
+"""The broker of one node, in process: a real LMDB store, a fake GPU probe and a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import GIB, FakeClock, FakeGpuProbe
+
+from gpubroker.broker.probes import GpuProcess
+from gpubroker.broker.request import parse_request
+from gpubroker.broker.service import Broker, Caller
+from gpubroker.broker.store import Store
+from gpubroker.config import Config, Stamp
+from gpubroker.errors import BrokerError, FailureCode, Forbidden, NotFound, StoreFull
+from gpubroker.units import parse_time, rfc3339
+
+TCP = Caller("tcp")
+ME = Caller("unix", uid=os.getuid(), pid=os.getpid())
+
+
+class Node:
+    """One broker on a temporary state directory, restartable on the same store."""
+
+    def __init__(self, tmp: Path, clock: FakeClock, probe: FakeGpuProbe, config: Config) -> None:
+        self.tmp, self.clock, self.probe, self.config = tmp, clock, probe, config
+        self.broker: Broker
+
+    async def start(self) -> Broker:
+        store = Store(self.config.state_dir, self.config.store_size, self.config.events_kept)
+        self.broker = Broker(self.config, store, self.probe, self.clock)
+        await self.broker.start()
+        return self.broker
+
+    async def restart(self) -> Broker:
+        await self.broker.close()
+        return await self.start()
+
+    async def ask(self, caller: Caller = TCP, **body: Any) -> tuple[dict[str, Any], str]:
+        body.setdefault("bind", "none")
+        lease, token = await self.broker.request(parse_request(body), caller)
+        return lease.to_json(), token
+
+    async def refused(self, caller: Caller = TCP, **body: Any) -> BrokerError:
+        with pytest.raises(BrokerError) as caught:
+            await self.ask(caller, **body)
+        return caught.value
+
+    async def sample(self) -> None:
+        await self.broker.sample()
+
+    def gpu(self, index: int = 0) -> dict[str, Any]:
+        gpu: dict[str, Any] = self.broker.node_json()["gpus"][index]
+        return gpu
+
+    async def events(self, type_: str | None = None) -> list[dict[str, Any]]:
+        await self.broker.store.commit([])  # the writer is first in, first out: earlier events are now on disk
+        found, _ = self.broker.events(0, 1000)
+        return [e for e in found if type_ is None or e["type"] == type_]
+
+
+@pytest.fixture
+async def make_node(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    nodes: list[Node] = []
+
+    async def make(sizes: list[int] | None = None, **settings: Any) -> Node:
+        clock = FakeClock()
+        probe = FakeGpuProbe(clock, sizes or [24 * GIB])
+        config = replace(Config(state_dir=tmp_path / f"state{len(nodes)}", name="tower"), **settings)
+        node = Node(tmp_path, clock, probe, config)
+        await node.start()
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in nodes:
+        await node.broker.close()
+
+
+async def settle() -> None:
+    """Let grants made by a scan finish their commits (the writer thread is real)."""
+    for _ in range(50):
+        await asyncio.sleep(0.005)
+
+
+async def test_the_figures_show_total_external_reserve_and_schedulable(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.probe.external(0, 6 * GIB)
+    await node.sample()
+    gpu = node.gpu()
+    assert gpu["figures"] == {
+        "total": 24 * GIB, "observed": 6 * GIB, "external": 6 * GIB, "resident": 0,
+        "leased": 0, "reserve": 1 * GIB, "schedulable": 17 * GIB,
+    }  # fmt: skip
+    assert gpu["processes"] == [{"pid": 900001, "name": "ollama", "bytes": 6 * GIB, "lease": None}]
+    assert gpu["unattributed"] == 0
+
+
+async def test_a_request_beyond_schedulable_is_refused_naming_the_figures(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.probe.external(0, 6 * GIB)
+    await node.sample()
+    error = await node.refused(gpu_memory="18GiB")
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert error.status == 409
+    assert error.message == "GPU 0 (RTX 4090, 24.0 GiB): 6.0 external (ollama 6.0), 0.0 leased, 1.0 reserve → 17.0 schedulable; needs 18.0"
+    assert error.details["need"] == 18 * GIB
+    assert error.details["figures"]["schedulable"] == 17 * GIB
+    assert (await node.events("lease.refused"))[-1]["code"] == "INSUFFICIENT_SCHEDULABLE_VRAM"
+
+
+async def test_a_request_that_fits_is_granted_with_the_gpu_uuid_in_its_environment(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.probe.external(0, 6 * GIB)
+    await node.sample()
+    lease, token = await node.ask(gpu_memory="16GiB")
+    assert lease["state"] == "granted"
+    assert lease["env"] == {"CUDA_VISIBLE_DEVICES": "GPU-fake-0", "GPUBROKER_LEASE": lease["id"], "GPUBROKER_GPU_MEMORY": str(16 * GIB)}
+    assert lease["gpus"] == [{"index": 0, "uuid": "GPU-fake-0", "bytes": 16 * GIB, "epoch": 1}]
+    assert token and "token" not in node.broker.get(lease["id"])
+    assert node.gpu()["figures"]["schedulable"] == 1 * GIB
+
+
+async def test_external_growth_is_pressure_refusing_new_requests_but_revoking_nothing(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.probe.external(0, 6 * GIB)
+    await node.sample()
+    lease, token = await node.ask(gpu_memory="16GiB")
+    node.probe.external(0, 9 * GIB)
+    await node.sample()
+    assert node.gpu()["figures"]["schedulable"] == 0
+    started = await node.events("gpu.pressure.started")
+    assert len(started) == 1 and started[0]["code"] == "EXTERNAL_GPU_PRESSURE" and started[0]["gpu"] == "GPU-fake-0"
+    assert node.broker.get(lease["id"])["state"] == "granted"
+    error = await node.refused(gpu_memory="1GiB")
+    assert error.code is FailureCode.EXTERNAL_GPU_PRESSURE
+    await node.broker.release(lease["id"], TCP, token)
+    await node.sample()
+    assert node.gpu()["figures"]["schedulable"] == 14 * GIB
+    assert node.gpu()["figures"]["leased"] == 0
+    assert len(await node.events("gpu.pressure.ended")) == 1
+
+
+async def test_waiting_requests_are_granted_in_class_order(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    held, token = await node.ask(gpu_memory="20GiB")
+    background = asyncio.create_task(node.ask(gpu_memory="15GiB", priority="background", wait="1m"))
+    await settle()
+    production = asyncio.create_task(node.ask(gpu_memory="15GiB", priority="production", wait="1m"))
+    await settle()
+    queued = node.broker.list_leases("queued", 100)
+    assert [q["priority"] for q in queued] == ["production", "background"]
+    await node.broker.release(held["id"], TCP, token)
+    lease, _ = await asyncio.wait_for(production, 5)
+    assert lease["priority"] == "production"
+    await settle()
+    assert not background.done()
+    assert [q["priority"] for q in node.broker.list_leases("queued", 100)] == ["background"]
+    background.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await background
+
+
+async def test_the_seventeenth_waiting_request_of_a_class_gets_queue_full(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    waiting = [asyncio.create_task(node.ask(gpu_memory="10GiB", priority="background", wait="1m")) for _ in range(16)]
+    await settle()
+    assert len(node.broker.waiters) == 16
+    error = await node.refused(gpu_memory="10GiB", priority="background", wait="1m")
+    assert error.code is FailureCode.QUEUE_FULL
+    assert error.status == 429
+    other_class = asyncio.create_task(node.ask(gpu_memory="10GiB", priority="benchmark", wait="1m"))
+    await settle()
+    assert len(node.broker.waiters) == 17  # each class has its own queue
+    for task in [*waiting, other_class]:
+        task.cancel()
+    await asyncio.gather(*waiting, other_class, return_exceptions=True)
+    assert node.broker.waiters == []
+    assert len(await node.events("lease.cancelled")) == 17
+
+
+async def test_a_waiter_blocks_its_own_class_and_lower_but_not_a_higher_one(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    waiter = asyncio.create_task(node.ask(gpu_memory="15GiB", priority="background", wait="1m"))
+    await settle()
+    error = await node.refused(gpu_memory="1GiB", priority="benchmark")
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert "claimed by requests waiting ahead" in error.message
+    lease, _ = await node.ask(gpu_memory="1GiB", priority="interactive")
+    assert lease["state"] == "granted"
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+
+
+async def test_a_queued_request_shows_its_position_and_what_it_waits_behind(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    first = asyncio.create_task(node.ask(gpu_memory="15GiB", priority="background", wait="1m"))
+    await settle()
+    second = asyncio.create_task(node.ask(gpu_memory="15GiB", priority="background", wait="1m"))
+    await settle()
+    one, two = node.broker.list_leases("queued", 10)
+    assert (one["position"], two["position"]) == (1, 2)
+    assert two["waiting_behind"] == [one["id"]]
+    assert "3.0 schedulable; needs 15.0" in one["reason"]
+    for task in (first, second):
+        task.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+
+
+async def test_a_wait_that_runs_out_is_lease_timeout(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    error = await node.refused(gpu_memory="15GiB", wait="50ms")
+    assert error.code is FailureCode.LEASE_TIMEOUT
+    assert node.broker.waiters == []
+
+
+async def test_a_deadline_already_passed_or_hopeless_fails_at_once(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    passed = await node.refused(gpu_memory="1GiB", deadline=rfc3339(node.clock.now() - 1))
+    assert passed.code is FailureCode.DEADLINE_CANNOT_BE_MET
+    await node.ask(gpu_memory="20GiB", ttl="1h", preemption="never")
+    hopeless = await node.refused(gpu_memory="15GiB", deadline=rfc3339(node.clock.now() + 60))
+    assert hopeless.code is FailureCode.DEADLINE_CANNOT_BE_MET
+    assert "held past the deadline" in hopeless.message
+    assert node.broker.waiters == []
+
+
+async def test_a_lease_not_renewed_expires_on_the_next_sweep(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    lease, token = await node.ask(gpu_memory="4GiB", ttl="30s")
+    node.clock.advance(20)
+    await node.broker.renew(lease["id"], TCP, token, None)
+    node.clock.advance(29)
+    node.broker.sweep()
+    assert node.broker.get(lease["id"])["state"] == "granted"
+    node.clock.advance(2)
+    node.broker.sweep()
+    ended = node.broker.get(lease["id"])
+    assert ended["state"] == "expired"
+    assert "not renewed" in ended["reason"]
+    assert node.gpu()["figures"]["leased"] == 0
+    await settle()
+    assert [e["lease"] for e in await node.events("lease.expired")] == [lease["id"]]
+
+
+async def test_only_its_user_root_or_its_token_may_renew_or_release(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    owner = Caller("unix", uid=1000, pid=os.getpid())
+    lease, token = await node.ask(owner, gpu_memory="4GiB")
+    for stranger in (Caller("unix", uid=1001, pid=1), TCP):
+        with pytest.raises(Forbidden):
+            await node.broker.renew(lease["id"], stranger, None, None)
+        with pytest.raises(Forbidden):
+            await node.broker.release(lease["id"], stranger, "not-the-token")
+    await node.broker.renew(lease["id"], Caller("unix", uid=1000, pid=2), None, None)
+    await node.broker.renew(lease["id"], Caller("unix", uid=0, pid=3), None, None)
+    await node.broker.renew(lease["id"], TCP, token, None)
+    released = await node.broker.release(lease["id"], TCP, token)
+    assert released.state == "released"
+
+
+async def test_an_unknown_lease_is_not_found(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    with pytest.raises(NotFound):
+        await node.broker.release("l-nope", TCP, None)
+    with pytest.raises(NotFound):
+        node.broker.get("l-nope")
+
+
+async def test_a_reading_older_than_the_staleness_limit_is_never_decided_on(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.clock.advance(5.5)
+    error = await node.refused(gpu_memory="1GiB")
+    assert error.code is FailureCode.SCHEDULER_STATE_STALE
+    assert error.status == 503
+    await node.sample()
+    lease, _ = await node.ask(gpu_memory="1GiB")
+    assert lease["state"] == "granted"
+
+
+async def test_without_a_driver_gpu_requests_fail_while_cpu_and_memory_are_brokered(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.probe.error = "no NVIDIA driver: NVML Shared Library Not Found"
+    await node.sample()
+    error = await node.refused(gpu_memory="1GiB")
+    assert error.code is FailureCode.DRIVER_ERROR
+    assert "no NVIDIA driver" in error.message
+    lease, _ = await node.ask(cpu_cores=1, memory="64MiB")
+    assert (lease["cpu_cores"], lease["memory"], lease["gpus"]) == (1, 64 * 2**20, [])
+    assert node.broker.node_json()["gpus"] == []
+
+
+async def test_cpu_and_memory_beyond_what_is_left_are_refused_with_figures(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    cores = node.broker.host.cores
+    await node.ask(cpu_cores=cores)
+    error = await node.refused(cpu_cores=1)
+    assert error.code is FailureCode.LEASE_CONFLICT
+    assert f"{cores} leased" in error.message
+    too_many = await node.refused(cpu_cores=cores + 1)
+    assert too_many.code is FailureCode.CAPABILITY_UNAVAILABLE
+
+
+async def test_epochs_only_grow_across_restarts(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    first, _ = await node.ask(gpu_memory="1GiB")
+    second, token = await node.ask(gpu_memory="1GiB")
+    await node.broker.release(second["id"], TCP, token)
+    await node.restart()
+    kept = node.broker.get(first["id"])
+    assert (kept["state"], kept["epoch"], kept["gpus"][0]["epoch"]) == ("granted", first["epoch"], first["gpus"][0]["epoch"])
+    assert node.broker.get(second["id"])["state"] == "released"
+    third, _ = await node.ask(gpu_memory="1GiB")
+    assert third["epoch"] > second["epoch"] and third["gpus"][0]["epoch"] > second["gpus"][0]["epoch"]
+
+
+async def test_a_production_request_on_a_node_not_eligible_is_capability_unavailable(make_node: Callable[..., Any]) -> None:
+    node = await make_node(production_eligible=False)
+    error = await node.refused(gpu_memory="1GiB", priority="production")
+    assert error.code is FailureCode.CAPABILITY_UNAVAILABLE
+    assert "not production_eligible" in error.message
+
+
+async def test_a_stamped_caller_gets_the_stamped_class_whatever_it_asked(make_node: Callable[..., Any]) -> None:
+    node = await make_node(stamps=(Stamp("background", holder="tdarr*"),))
+    lease, _ = await node.ask(gpu_memory="1GiB", priority="production", holder={"name": "tdarr-node"})
+    assert lease["priority"] == "background"
+    other, _ = await node.ask(gpu_memory="1GiB", priority="production", holder={"name": "comfyui"})
+    assert other["priority"] == "production"
+
+
+async def test_memory_still_used_after_release_is_reported_and_counts_as_external(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "trainer", "pid": 4242})
+    node.probe.processes[0] = [GpuProcess(4242, "python", 8 * GIB)]
+    await node.sample()
+    assert node.gpu()["processes"][0]["lease"] == lease["id"]
+    assert node.gpu()["figures"]["external"] == 0
+    await node.broker.release(lease["id"], TCP, token)
+    node.clock.advance(5)
+    await node.sample()
+    assert await node.events("gpu.memory_not_reclaimed") == []
+    node.clock.advance(6)
+    await node.sample()
+    await settle()
+    reported = await node.events("gpu.memory_not_reclaimed")
+    assert len(reported) == 1 and reported[0]["code"] == "GPU_MEMORY_NOT_RECLAIMED" and reported[0]["lease"] == lease["id"]
+    assert node.gpu()["figures"]["external"] == 8 * GIB
+
+
+async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_use(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    lease, _ = await node.ask(gpu_memory="10GiB", holder={"name": "greedy", "pid": 4243})
+    node.probe.processes[0] = [GpuProcess(4243, "python", 12 * GIB)]
+    await node.sample()
+    await settle()
+    assert node.gpu()["figures"]["leased"] == 12 * GIB
+    assert node.gpu()["figures"]["external"] == 0
+    over = await node.events("lease.over_declared")
+    assert len(over) == 1 and over[0]["details"] == {"declared": 10 * GIB, "observed": 12 * GIB}
+
+
+async def test_a_process_list_the_driver_cannot_give_leaves_memory_unattributed(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.probe.external(0, 3 * GIB)
+    node.probe.processes_listed = False
+    await node.sample()
+    gpu = node.gpu()
+    assert gpu["figures"]["external"] == 3 * GIB
+    assert gpu["unattributed"] == 3 * GIB
+    assert gpu["processes"] == []
+
+
+async def test_a_lease_bound_to_its_caller_ends_when_the_caller_dies(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        caller = Caller("unix", uid=os.getuid(), pid=child.pid)
+        lease, _ = await node.ask(caller, gpu_memory="2GiB", bind="caller")
+        assert lease["bind"] == "caller" and lease["holder"]["pid"] == child.pid
+        child.kill()
+        child.wait()
+        for _ in range(200):
+            if node.broker.get(lease["id"])["state"] != "granted":
+                break
+            await asyncio.sleep(0.005)
+        ended = node.broker.get(lease["id"])
+        assert ended["state"] == "released"
+        assert ended["reason"] == f"holder pid {child.pid} exited"
+    finally:
+        child.kill()
+        child.wait()
+
+
+async def test_a_holder_that_died_while_the_broker_was_down_is_released_on_start(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    caller = Caller("unix", uid=os.getuid(), pid=child.pid)
+    lease, _ = await node.ask(caller, gpu_memory="2GiB", bind="caller")
+    await node.broker.close()
+    child.kill()
+    child.wait()
+    await node.start()
+    ended = node.broker.get(lease["id"])
+    assert ended["state"] == "released"
+    assert "exited while the broker was down" in ended["reason"]
+
+
+async def test_a_full_store_fails_requests_clearly_and_stays_readable(make_node: Callable[..., Any]) -> None:
+    node = await make_node(store_size=256 * 2**10, events_kept=50, leases_kept=10)
+    labels = {f"k{i}": "x" * 200 for i in range(30)}
+    granted = []
+    with pytest.raises(StoreFull) as caught:
+        for _ in range(200):
+            lease, _ = await node.ask(cpu_cores=0, memory="1MiB", labels=labels)
+            granted.append(lease["id"])
+    assert caught.value.status == 507
+    assert "store is full" in caught.value.message
+    assert len(node.broker.leases) == len(granted)  # the refused grant left nothing behind
+    await node.restart()
+    assert sorted(node.broker.leases) == sorted(granted)
+
+
+async def test_a_waiting_request_whose_client_goes_away_is_cancelled(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    task = asyncio.create_task(node.ask(gpu_memory="15GiB", wait="1m"))
+    await settle()
+    assert len(node.broker.waiters) == 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert node.broker.waiters == []
+    await settle()
+    assert len(await node.events("lease.cancelled")) == 1
+
+
+async def test_deadline_times_are_read_as_rfc3339(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    at = rfc3339(node.clock.now() + 3600)
+    lease, _ = await node.ask(gpu_memory="1GiB", deadline=at)
+    assert lease["state"] == "granted"
+    assert parse_time(at) == pytest.approx(node.clock.now() + 3600, abs=0.001)

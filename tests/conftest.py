@@ -1,0 +1,123 @@
+"""Shared fixtures: a real broker process on a temporary state directory, and leak checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from gpubroker.client import Client, Endpoint
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class BrokerProcess:
+    """`gpubroker up` as a real process; `kill()` is kill -9, `start()` starts it again on the same state."""
+
+    root: Path
+    simulate: str
+    extra: list[str] = field(default_factory=list)
+    command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "gpubroker"])
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[str] | None = None
+    ready_line: str = ""
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "api.sock"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "GPUBROKER_URL": f"unix:{self.socket}"}
+
+    def client(self, tcp: bool = False) -> Client:
+        return Client(Endpoint(self.url if tcp else f"unix:{self.socket}"))
+
+    def start(self, timeout: float = 20.0) -> BrokerProcess:
+        argv = [
+            *self.command, "up", "--state", str(self.state), "--socket", str(self.socket),
+            "--listen", f"127.0.0.1:{self.port}", "--simulate-gpus", self.simulate, *self.extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        lines: list[str] = []
+        found = threading.Event()
+
+        def read() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                lines.append(line)
+                if line.startswith("gpubroker ready"):
+                    self.ready_line = line
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(timeout) or not self.ready_line:
+            self.stop()
+            raise AssertionError("broker did not become ready:\n" + "".join(lines))
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def broker_process(tmp_path: Path) -> Iterator[type[BrokerProcess]]:
+    """A factory: `broker_process("2x24GiB").start()`; every broker it made is stopped afterwards."""
+    made: list[BrokerProcess] = []
+    roots = iter(range(1000))
+
+    def make(simulate: str = "1x24GiB", extra: list[str] | None = None, command: list[str] | None = None) -> BrokerProcess:
+        root = tmp_path / f"broker{next(roots)}"
+        root.mkdir()
+        broker = BrokerProcess(root, simulate, extra or [], command or [sys.executable, "-m", "gpubroker"])
+        made.append(broker)
+        return broker
+
+    yield make  # type: ignore[misc]
+    for broker in made:
+        broker.stop()
+
+
+def wait_for(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Poll a condition on a real process (never used on our own fake clock)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")

@@ -1,0 +1,49 @@
+"""Fakes over Protocols: a clock the test moves, a GPU probe the test fills."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError
+
+GIB = 2**30
+
+
+@dataclass
+class FakeClock:
+    """Time stands still until the test moves it."""
+
+    t: float = 1_800_000_000.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@dataclass
+class FakeGpuProbe:
+    """GPUs of given sizes; `external` sets what other processes use; `error` makes sampling fail."""
+
+    clock: FakeClock
+    sizes: list[int] = field(default_factory=lambda: [24 * GIB])
+    processes: dict[int, list[GpuProcess]] = field(default_factory=dict)
+    error: str | None = None
+    processes_listed: bool = True
+
+    def external(self, index: int, size: int, name: str = "ollama", pid: int = 900001) -> None:
+        self.processes[index] = [p for p in self.processes.get(index, []) if p.pid != pid]
+        if size:
+            self.processes[index].append(GpuProcess(pid, name, size))
+
+    def sample(self) -> list[GpuReading]:
+        if self.error is not None:
+            raise ProbeError(self.error)
+        readings = []
+        for index, total in enumerate(self.sizes):
+            listed = tuple(self.processes.get(index, []))
+            used = min(total, sum(p.bytes or 0 for p in listed))
+            reading = GpuReading(index, f"GPU-fake-{index}", "NVIDIA GeForce RTX 4090", total, used, self.clock.now(), listed)
+            readings.append(reading if self.processes_listed else replace(reading, processes=None))
+        return readings

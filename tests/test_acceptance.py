@@ -1,0 +1,114 @@
+"""The single-node story as a user lives it: a real broker process, a simulation file, the CLI and the API."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BrokerProcess, wait_for
+
+from gpubroker.client import ClientError
+
+GIB = 2**30
+SIMULATION = """
+[[gpu]]
+name = "NVIDIA GeForce RTX 4090"
+memory = "24GiB"
+
+[[process]]
+gpu = 0
+pid = 900001
+name = "ollama"
+used = "{used}"
+"""
+
+
+def test_external_usage_from_the_simulation_file_drives_the_figures_and_the_decisions(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    sim = tmp_path / "gpus.toml"
+    sim.write_text(SIMULATION.format(used="6GiB"))
+    broker = broker_process(str(sim)).start()
+    client = broker.client()
+
+    figures = client.call("GET", "/v1/node")["gpus"][0]["figures"]
+    assert (figures["total"], figures["external"], figures["reserve"], figures["schedulable"]) == (24 * GIB, 6 * GIB, 1 * GIB, 17 * GIB)
+
+    with pytest.raises(ClientError) as refused:
+        client.call("POST", "/v1/leases", {"gpu_memory": "18GiB", "bind": "none"})
+    assert refused.value.status == 409
+    assert refused.value.code == "INSUFFICIENT_SCHEDULABLE_VRAM"
+    assert "24.0 GiB): 6.0 external (ollama 6.0), 0.0 leased, 1.0 reserve → 17.0 schedulable; needs 18.0" in refused.value.message
+
+    lease = client.call("POST", "/v1/leases", {"gpu_memory": "16GiB", "bind": "none"})["lease"]
+    assert lease["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-sim-0"
+
+    sim.write_text(SIMULATION.format(used="9GiB"))
+
+    def pressure_reported() -> bool:
+        events = client.call("GET", "/v1/events", query={"after": 0, "limit": 1000})["events"]
+        return any(e["type"] == "gpu.pressure.started" and e.get("code") == "EXTERNAL_GPU_PRESSURE" for e in events)
+
+    wait_for(pressure_reported, timeout=10)
+    gpu = client.call("GET", "/v1/node")["gpus"][0]
+    assert gpu["figures"]["schedulable"] == 0
+    assert gpu["figures"]["external"] == 9 * GIB
+    assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"
+
+    client.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})
+    figures = client.call("GET", "/v1/node")["gpus"][0]["figures"]
+    assert (figures["leased"], figures["schedulable"]) == (0, 14 * GIB)
+
+
+def test_status_shows_every_gpu_and_the_host_budgets(broker_process: type[BrokerProcess]) -> None:
+    broker = broker_process("2x24GiB").start()
+    shown = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=broker.env, capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    assert "GPU 0  Simulated GPU  GPU-sim-0" in shown.stdout
+    assert "GPU 1  Simulated GPU  GPU-sim-1" in shown.stdout
+    assert "total 24.0  observed 0.0  external 0.0  resident 0.0  leased 0.0  reserve 1.0  schedulable 23.0 GiB" in shown.stdout
+    assert "CPU " in shown.stdout and "memory " in shown.stdout
+
+
+def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cli(broker_process: type[BrokerProcess]) -> None:
+    broker = broker_process("1x24GiB").start()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gpubroker", *args], env=broker.env, capture_output=True, text=True, timeout=30)
+
+    granted = cli("lease", "--gpu-memory", "10GiB", "--priority", "background", "--name", "train", "--json")
+    assert granted.returncode == 0, granted.stderr
+    assert '"bind": "none"' in granted.stdout
+    listing = cli("leases")
+    assert "background" in listing.stdout and "train" in listing.stdout
+    lease_id = next(line.split()[0] for line in listing.stdout.splitlines() if "train" in line)
+    released = cli("release", lease_id)
+    assert released.returncode == 0, released.stderr
+    assert f"lease {lease_id} released" in released.stdout
+    events = cli("events")
+    assert "lease.granted" in events.stdout and "lease.released" in events.stdout
+    refused = cli("lease", "--gpu-memory", "30GiB")
+    assert refused.returncode == 75
+    assert "INSUFFICIENT_SCHEDULABLE_VRAM" in refused.stderr
+
+
+def test_a_broker_restarted_on_its_state_keeps_its_leases(broker_process: type[BrokerProcess]) -> None:
+    broker = broker_process("1x24GiB").start()
+    lease = broker.client().call("POST", "/v1/leases", {"gpu_memory": "4GiB", "bind": "none"})["lease"]
+    broker.stop()
+    broker.start()
+    kept = broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]
+    assert (kept["state"], kept["epoch"]) == ("granted", lease["epoch"])
+
+
+def test_a_second_broker_on_the_same_state_refuses_to_start(broker_process: type[BrokerProcess]) -> None:
+    broker = broker_process("1x24GiB").start()
+    second = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "up", "--state", str(broker.state), "--socket", str(broker.socket) + "2",
+         "--listen", "127.0.0.1:0", "--simulate-gpus", "1x24GiB"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert second.returncode == 2
+    assert "another broker is running on" in second.stderr

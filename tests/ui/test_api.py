@@ -1,0 +1,97 @@
+"""The HTTP API of one node against a real broker process: shapes, identities, metrics, documents."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import BrokerProcess
+
+from gpubroker.client import ClientError
+
+
+@pytest.fixture
+def broker(broker_process: type[BrokerProcess]) -> BrokerProcess:
+    return broker_process("2x24GiB").start()
+
+
+def test_on_the_unix_socket_the_holder_is_the_kernels_word_not_the_body(broker: BrokerProcess) -> None:
+    lease = broker.client().call("POST", "/v1/leases", {"gpu_memory": "1GiB", "holder": {"name": "me", "pid": 1}})["lease"]
+    assert lease["bind"] == "caller"
+    assert lease["holder"] == {"name": "me", "pid": os.getpid(), "uid": os.getuid()}
+    broker.client().call("DELETE", f"/v1/leases/{lease['id']}")  # its own Unix user needs no token
+
+
+def test_on_tcp_a_lease_lives_by_its_ttl_and_only_its_token_acts_on_it(broker: BrokerProcess) -> None:
+    tcp = broker.client(tcp=True)
+    lease = tcp.call("POST", "/v1/leases", {"gpu_memory": "1GiB", "ttl": "2m"})["lease"]
+    assert lease["bind"] == "none"
+    assert lease["holder"]["uid"] is None
+    for method, path in (("POST", f"/v1/leases/{lease['id']}/renew"), ("DELETE", f"/v1/leases/{lease['id']}")):
+        with pytest.raises(ClientError) as refused:
+            tcp.call(method, path, headers={"X-Lease-Token": "wrong"})
+        assert (refused.value.status, refused.value.code) == (403, "FORBIDDEN")
+    renewed = tcp.call("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": "10m"}, headers={"X-Lease-Token": lease["token"]})["lease"]
+    assert renewed["ttl"] == 600
+    released = tcp.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})["lease"]
+    assert released["state"] == "released" and "token" not in released
+    with pytest.raises(ClientError) as again:
+        tcp.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})
+    assert again.value.code == "LEASE_CONFLICT"
+    with pytest.raises(ClientError) as unknown:
+        tcp.call("DELETE", "/v1/leases/l-unknown", headers={"X-Lease-Token": lease["token"]})
+    assert (unknown.value.status, unknown.value.code) == (404, "NOT_FOUND")
+
+
+def test_the_lease_shape_has_every_field_the_api_promises(broker: BrokerProcess) -> None:
+    lease = broker.client(tcp=True).call("POST", "/v1/leases", {"gpu_memory": "2GiB", "labels": {"project": "lora"}})["lease"]
+    for field in ("id", "state", "epoch", "env", "gpus", "priority", "preemption", "bind", "holder", "token", "expires_at", "granted_at"):
+        assert field in lease, field
+    assert set(lease["gpus"][0]) == {"index", "uuid", "bytes", "epoch"}
+    assert lease["labels"] == {"project": "lora"}
+
+
+def test_leases_are_listed_by_state_and_limited(broker: BrokerProcess) -> None:
+    tcp = broker.client(tcp=True)
+    made = [tcp.call("POST", "/v1/leases", {"gpu_memory": "1GiB"})["lease"] for _ in range(3)]
+    tcp.call("DELETE", f"/v1/leases/{made[0]['id']}", headers={"X-Lease-Token": made[0]["token"]})
+    granted = tcp.call("GET", "/v1/leases", query={"state": "granted"})["leases"]
+    assert sorted(x["id"] for x in granted) == sorted(x["id"] for x in made[1:])
+    assert [x["id"] for x in tcp.call("GET", "/v1/leases", query={"state": "released"})["leases"]] == [made[0]["id"]]
+    assert len(tcp.call("GET", "/v1/leases", query={"limit": 1})["leases"]) == 1
+    assert tcp.call("GET", "/v1/leases", query={"node": "elsewhere"})["leases"] == []
+
+
+def test_events_are_served_after_a_sequence_number(broker: BrokerProcess) -> None:
+    tcp = broker.client(tcp=True)
+    first = tcp.call("GET", "/v1/events")
+    tcp.call("POST", "/v1/leases", {"gpu_memory": "1GiB"})
+    later = tcp.call("GET", "/v1/events", query={"after": first["next"]})
+    assert [e["type"] for e in later["events"]] == ["lease.granted"]
+    assert later["next"] == later["events"][-1]["seq"] > first["next"]
+    event = later["events"][0]
+    assert {"seq", "time", "type", "message", "details", "node", "lease", "gpu"} <= set(event)
+
+
+def test_metrics_show_the_seven_figures_per_gpu_uuid_and_requests_by_result(broker: BrokerProcess) -> None:
+    tcp = broker.client(tcp=True)
+    tcp.call("POST", "/v1/leases", {"gpu_memory": "1GiB"})
+    with pytest.raises(ClientError):
+        tcp.call("POST", "/v1/leases", {"gpu_memory": "100GiB"})
+    text = tcp.text("/metrics")
+    for name in ("total", "observed", "external", "resident", "leased", "reserve", "schedulable"):
+        assert f'gpubroker_gpu_{name}_bytes{{index="0",name="Simulated GPU",uuid="GPU-sim-0"}}' in text, name
+    assert 'gpubroker_requests_total{code="GRANTED"} 1.0' in text
+    assert 'gpubroker_requests_total{code="INSUFFICIENT_SCHEDULABLE_VRAM"} 1.0' in text
+    assert 'gpubroker_leases{priority="interactive",state="granted"} 1.0' in text
+    assert "gpubroker_grant_latency_seconds_bucket" in text
+    assert 'gpubroker_queue_depth{priority="background"} 0.0' in text
+
+
+def test_the_openapi_document_names_every_endpoint(broker: BrokerProcess) -> None:
+    document = broker.client(tcp=True).call("GET", "/openapi.json")
+    assert set(document["paths"]) == {
+        "/v1/leases", "/v1/leases/{id}", "/v1/leases/{id}/renew", "/v1/leases/{id}/processes",
+        "/v1/node", "/v1/cluster", "/v1/events", "/metrics", "/healthz",
+    }  # fmt: skip
+    assert broker.client(tcp=True).call("GET", "/healthz")["ok"] is True
