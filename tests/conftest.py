@@ -67,7 +67,8 @@ class BrokerProcess:
         found = threading.Event()
 
         def read() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
+            assert self.proc is not None
+            assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 lines.append(line)
                 if line.startswith("gpubroker ready"):

@@ -69,7 +69,8 @@ def test_status_shows_every_gpu_and_the_host_budgets(broker_process: type[Broker
     assert "GPU 0  Simulated GPU  GPU-sim-0" in shown.stdout
     assert "GPU 1  Simulated GPU  GPU-sim-1" in shown.stdout
     assert "total 24.0  observed 0.0  external 0.0  resident 0.0  leased 0.0  reserve 1.0  schedulable 23.0 GiB" in shown.stdout
-    assert "CPU " in shown.stdout and "memory " in shown.stdout
+    assert "CPU " in shown.stdout
+    assert "memory " in shown.stdout
 
 
 def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cli(broker_process: type[BrokerProcess]) -> None:
@@ -82,13 +83,15 @@ def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cl
     assert granted.returncode == 0, granted.stderr
     assert '"bind": "none"' in granted.stdout
     listing = cli("leases")
-    assert "background" in listing.stdout and "train" in listing.stdout
+    assert "background" in listing.stdout
+    assert "train" in listing.stdout
     lease_id = next(line.split()[0] for line in listing.stdout.splitlines() if "train" in line)
     released = cli("release", lease_id)
     assert released.returncode == 0, released.stderr
     assert f"lease {lease_id} released" in released.stdout
     events = cli("events")
-    assert "lease.granted" in events.stdout and "lease.released" in events.stdout
+    assert "lease.granted" in events.stdout
+    assert "lease.released" in events.stdout
     refused = cli("lease", "--gpu-memory", "30GiB")
     assert refused.returncode == 75
     assert "INSUFFICIENT_SCHEDULABLE_VRAM" in refused.stderr

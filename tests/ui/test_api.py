@@ -34,7 +34,8 @@ def test_on_tcp_a_lease_lives_by_its_ttl_and_only_its_token_acts_on_it(broker: B
     renewed = tcp.call("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": "10m"}, headers={"X-Lease-Token": lease["token"]})["lease"]
     assert renewed["ttl"] == 600
     released = tcp.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})["lease"]
-    assert released["state"] == "released" and "token" not in released
+    assert released["state"] == "released"
+    assert "token" not in released
     with pytest.raises(ClientError) as again:
         tcp.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})
     assert again.value.code == "LEASE_CONFLICT"
