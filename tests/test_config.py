@@ -1,0 +1,53 @@
+"""Configuration: every setting documented, files and flags read, mistakes named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpubroker.config import SETTINGS, Config, ConfigError, Stamp, load_config
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("setting", [s.name for s in SETTINGS])
+def test_every_setting_is_documented_in_the_readme(setting: str) -> None:
+    assert f"| `{setting}` |" in README.read_text(), f"README's settings table misses {setting}"
+
+
+def test_every_setting_has_a_default_and_help() -> None:
+    defaults = Config()
+    for setting in SETTINGS:
+        assert setting.help
+        assert hasattr(defaults, setting.name)
+
+
+def test_a_file_and_flags_make_one_config_with_flags_winning(tmp_path: Path) -> None:
+    path = tmp_path / "gpubroker.toml"
+    path.write_text('reserve = "2GiB"\nstaleness = "2s"\nlisten = "127.0.0.1:9999"\n[[stamp]]\nuser = "shadow"\npriority = "background"\n')
+    config = load_config(path, listen="127.0.0.1:9000")
+    assert config.reserve == 2 * 2**30
+    assert config.staleness == 2.0
+    assert config.listen == "127.0.0.1:9000"
+    assert config.stamps == (Stamp("background", user="shadow"),)
+    assert config.stamped_class("production", "shadow", None) == "background"
+    assert config.stamped_class("production", "alice", None) == "production"
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('reserve = "lots"', "setting reserve"),
+        ('listen = "nowhere"', "setting listen"),
+        ("colour = 1", "unknown setting 'colour'"),
+        ("queue_limit = 0", "setting queue_limit"),
+        ('[[stamp]]\npriority = "urgent"\nuser = "x"', "priority must be one of"),
+        ("not toml ===", "gpubroker.toml"),
+    ],
+)
+def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, named: str) -> None:
+    path = tmp_path / "gpubroker.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=named):
+        load_config(path)
