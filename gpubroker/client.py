@@ -14,6 +14,7 @@ from urllib.parse import urlencode, urlsplit
 from gpubroker.config import default_socket
 
 DEFAULT_URL = "http://127.0.0.1:9740"
+SYSTEM_SOCKET = Path("/run/gpubroker/api.sock")  # a broker run as root (systemd), reachable by every user
 
 
 class ClientError(Exception):
@@ -59,16 +60,16 @@ class Endpoint:
 
 
 def find_broker(env: dict[str, str] | None = None) -> Endpoint:
-    """GPUBROKER_URL, then the default socket if a broker listens there, then http://127.0.0.1:9740."""
+    """GPUBROKER_URL, then the default socket (this user's, then the system's), then http://127.0.0.1:9740."""
     env = dict(os.environ) if env is None else env
     url = env.get("GPUBROKER_URL")
     if url:
         if not (url.startswith("unix:") or url.startswith("http://") or url.startswith("https://")):
             raise ClientError(0, "INVALID_REQUEST", f"GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT")
         return Endpoint(url)
-    path = default_socket()
-    if _listening(path):
-        return Endpoint(f"unix:{path}")
+    for path in (default_socket(), SYSTEM_SOCKET):
+        if _listening(path):
+            return Endpoint(f"unix:{path}")
     return Endpoint(DEFAULT_URL)
 
 

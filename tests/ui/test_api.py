@@ -96,3 +96,30 @@ def test_the_openapi_document_names_every_endpoint(broker: BrokerProcess) -> Non
         "/v1/node", "/v1/cluster", "/v1/events", "/metrics", "/healthz",
     }  # fmt: skip
     assert broker.client(tcp=True).call("GET", "/healthz")["ok"] is True
+
+
+def test_a_waiting_request_is_cancelled_when_its_client_disconnects(broker: BrokerProcess) -> None:
+    import json
+    import socket as sockets
+
+    from conftest import wait_for
+
+    tcp = broker.client(tcp=True)
+    tcp.call("POST", "/v1/leases", {"gpu_memory": "20GiB", "gpu": 0})
+    tcp.call("POST", "/v1/leases", {"gpu_memory": "20GiB", "gpu": 1})
+    body = json.dumps({"gpu_memory": "10GiB", "wait": "1m"}).encode()
+    with sockets.create_connection(("127.0.0.1", broker.port)) as raw:
+        raw.sendall(
+            b"POST /v1/leases HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_for(lambda: len(tcp.call("GET", "/v1/leases", query={"state": "queued"})["leases"]) == 1)
+    wait_for(lambda: tcp.call("GET", "/v1/leases", query={"state": "queued"})["leases"] == [])
+
+    def waiting_events() -> list[str]:
+        events = tcp.call("GET", "/v1/events", query={"limit": 1000})["events"]
+        return [e["type"] for e in events if e["type"] in ("lease.queued", "lease.cancelled")]
+
+    wait_for(lambda: len(waiting_events()) == 2)
+    assert waiting_events() == ["lease.queued", "lease.cancelled"]
