@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpubroker.client import Client, Endpoint
@@ -112,6 +113,25 @@ def broker_process(tmp_path: Path) -> Iterator[type[BrokerProcess]]:
     yield make  # type: ignore[misc]
     for broker in made:
         broker.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """A test leaves no child process running and no store writer thread behind."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        left = [
+            p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        ]  # fmt: skip
+        writers = [t for t in threading.enumerate() if t.name == "gpubroker-store"]
+        if not left and not writers:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the test left behind processes {[(p.pid, p.cmdline()) for p in left]} and threads {writers}")
+        time.sleep(0.05)
 
 
 def wait_for(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:
