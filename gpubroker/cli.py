@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +123,22 @@ def _child_env(lease_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the `gpubroker lease` process dies, even by kill -9."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """In the child, before exec: SIGTERM when `gpubroker lease` dies, even by kill -9."""
+
+    def prepare() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG; it survives exec
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(128 + signal.SIGTERM)
+
+    return prepare
+
+
+# CMD starts only once its process group is registered with the lease: a shell waits
+# on a pipe the parent writes after registering. If the parent dies first, the pipe
+# closes, the read fails, and the work never starts without its lease.
+_GATE = 'read -r _ <&{fd} && exec {fd}<&- && exec "$0" "$@"'
 
 
 def cmd_lease(args: argparse.Namespace) -> int:
@@ -152,13 +165,23 @@ def cmd_lease(args: argparse.Namespace) -> int:
 
 def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) -> int:
     token = {"X-Lease-Token": lease["token"]}
+    gate = os.pipe()
+    shim = ["/bin/sh", "-c", _GATE.format(fd=gate[0]), *command]
     try:
-        child = subprocess.Popen(command, env=_child_env(lease["env"]), process_group=0, preexec_fn=_die_with_parent)
+        child = subprocess.Popen(
+            shim, env=_child_env(lease["env"]), process_group=0, pass_fds=(gate[0],), preexec_fn=_die_with_parent(os.getpid())
+        )
     except OSError as error:
         print(f"gpubroker: cannot run {command[0]}: {error.strerror}", file=sys.stderr)
         client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token)
         return 127
-    client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token)
+    finally:
+        os.close(gate[0])
+    try:
+        client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token)
+        os.write(gate[1], b"go\n")
+    finally:
+        os.close(gate[1])
 
     def forward(signum: int, _frame: object) -> None:
         try:

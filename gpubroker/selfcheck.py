@@ -26,12 +26,25 @@ def self_check() -> int:
         )
         loop = asyncio.new_event_loop()
         ready = threading.Event()
+        failure: list[BaseException] = []
         task = loop.create_task(serve(config, on_ready=lambda _broker: ready.set()))
-        runner = threading.Thread(target=loop.run_until_complete, args=(task,), daemon=True)
+
+        def run() -> None:
+            try:
+                loop.run_until_complete(task)
+            except asyncio.CancelledError:
+                pass
+            except BaseException as error:  # reported below, not lost in a thread
+                failure.append(error)
+            finally:
+                ready.set()
+                loop.close()
+
+        runner = threading.Thread(target=run, daemon=True)
         runner.start()
         try:
-            if not ready.wait(30):
-                print("self-check: the broker did not become ready in 30 s")
+            if not ready.wait(30) or failure:
+                print(f"self-check: the broker did not start: {failure[0] if failure else 'not ready in 30 s'}")
                 return 1
             client = Client(Endpoint(f"unix:{socket_path}"))
             lease = client.call("POST", "/v1/leases", {"gpu_memory": "8GiB", "bind": "none", "holder": {"name": "self-check"}})["lease"]

@@ -1,0 +1,225 @@
+"""`gpubroker lease -- CMD` as real processes, for the installed command and for the built binary.
+
+The acceptance point: a lease held through `gpubroker lease -- CMD` is released within a second
+of the `gpubroker lease` process dying by kill -9, with the reason recorded, and CMD's process
+group is signalled. CMD's own exit code, environment and release are checked here too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BrokerProcess, wait_for
+
+from gpubroker.client import Client
+
+REPO = Path(__file__).resolve().parents[1]
+BINARY = REPO / "build" / "dist" / "gpubroker" / "gpubroker"
+GIB = 2**30
+MakeBroker = Callable[..., BrokerProcess]  # the broker_process fixture: a factory of brokers
+
+# CMD for the kill -9 test, run as `sh CMD_SCRIPT WORKDIR`. `gpubroker lease` starts it in a
+# new process group, so its pid is the group's id. It starts a second member of that group
+# which only a signal sent to the whole group can reach: PR_SET_PDEATHSIG reaches CMD itself
+# (gpubroker's direct child) and is not inherited across fork. That member records SIGTERM.
+# Files are written, then renamed, so the test never reads half of one.
+CMD_SCRIPT = """\
+work=$1
+echo $$ > "$work/pgid.new" && mv "$work/pgid.new" "$work/pgid"
+sh -c '
+    trap "echo TERM > \\"$1/member-signal\\"; exit 0" TERM
+    sleep 600 &
+    echo $$ > "$1/member.new" && mv "$1/member.new" "$1/member"
+    wait
+' member "$work" &
+wait
+"""
+
+
+@pytest.fixture(params=["installed", pytest.param("binary", marks=pytest.mark.slow)])
+def gpubroker(request: pytest.FixtureRequest) -> list[str]:
+    """The command under test: the console script pip installed, or the PyInstaller build."""
+    if request.param == "installed":
+        return [str(Path(sys.executable).with_name("gpubroker"))]
+    return [str(BINARY)]
+
+
+def start_broker(gpubroker: list[str], broker_process: MakeBroker) -> BrokerProcess:
+    """`gpubroker up` from the command under test, on one simulated 24 GiB GPU."""
+    if not Path(gpubroker[0]).exists():
+        # A failure, not a skip: the slow tier exists to prove the binary, and a missing one proves nothing.
+        how = "run packaging/build first" if gpubroker == [str(BINARY)] else "run pip install -e '.[test]' first"
+        pytest.fail(f"{gpubroker[0]} is missing: {how}")
+    return broker_process("1x24GiB", command=gpubroker).start()
+
+
+def living_members(pgid: int) -> list[int]:
+    """The processes of a group that have not exited; zombies do not count.
+
+    Not `os.killpg(pgid, 0)`: that succeeds while an exited member waits to be reaped, and an
+    orphan is reaped by init, whenever init gets to it (or never, where pid 1 does not reap).
+    """
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        state, _ppid, group = stat[stat.rindex(")") + 2 :].split()[:3]
+        if int(group) == pgid and state not in ("Z", "X"):
+            alive.append(int(entry.name))
+    return alive
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start `gpubroker lease ...` with its output in a file; everything it left running is killed afterwards."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = (tmp_path / f"lease{len(started)}.log").open("wb")
+        with log:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    # CMD outlives a killed `gpubroker lease` if the broker failed to stop it: never leave it running.
+    for pgid_file in tmp_path.glob("*/pgid"):
+        pgid = int(pgid_file.read_text())
+        if living_members(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+            wait_for(lambda pgid=pgid: not living_members(pgid), timeout=5.0)
+
+
+def lease_log(tmp_path: Path, index: int = 0) -> str:
+    path = tmp_path / f"lease{index}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def read_environ(path: Path) -> dict[str, str]:
+    """A process's environment as /proc/PID/environ gave it: exactly what it was started with."""
+    items = [item.partition("=") for item in path.read_bytes().decode().split("\0") if item]
+    return {key: value for key, _, value in items}
+
+
+def granted_to(client: Client, pid: int) -> dict[str, Any] | None:
+    leases = client.call("GET", "/v1/leases", query={"state": "granted"})["leases"]
+    return next((lease for lease in leases if lease["holder"]["pid"] == pid), None)
+
+
+def test_a_lease_is_released_within_a_second_of_its_holder_dying_by_kill_9_and_its_process_group_is_stopped(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    work = tmp_path / "cmd"
+    work.mkdir()
+    script = tmp_path / "cmd.sh"
+    script.write_text(CMD_SCRIPT)
+    holder = spawn([*gpubroker, "lease", "--gpu-memory", "4GiB", "--name", "worker", "--", "sh", str(script), str(work)], broker.env)
+
+    def ready() -> bool:
+        assert holder.poll() is None, f"gpubroker lease exited with {holder.returncode}:\n{lease_log(tmp_path)}"
+        lease = granted_to(client, holder.pid)
+        return lease is not None and bool(lease["process_groups"]) and (work / "member").exists()
+
+    wait_for(ready, timeout=20.0)
+    lease = granted_to(client, holder.pid)
+    assert lease is not None
+    pgid = int((work / "pgid").read_text())
+    member = int((work / "member").read_text())
+    assert os.getpgid(pgid) == pgid, "CMD leads its own process group"
+    assert os.getpgid(member) == pgid, "the member is in CMD's group"
+    assert lease["holder"] == {"name": "worker", "uid": os.getuid(), "pid": holder.pid}
+    assert lease["process_groups"] == [pgid]
+    assert lease["gpus"][0]["bytes"] == 4 * GIB
+
+    killed_at = time.monotonic()
+    holder.send_signal(signal.SIGKILL)  # not reaped yet: a zombie holder is a dead holder
+
+    def state() -> dict[str, Any]:
+        found: dict[str, Any] = client.call("GET", f"/v1/leases/{lease['id']}")["lease"]
+        return found
+
+    wait_for(lambda: state()["state"] == "released", timeout=1.0, interval=0.01)
+    released_after = time.monotonic() - killed_at
+    assert released_after < 1.0
+    ended = state()
+    assert ended["state"] == "released"
+    assert ended["reason"] == f"holder pid {holder.pid} exited"
+    assert client.call("GET", "/v1/node")["gpus"][0]["figures"]["leased"] == 0
+
+    def release_events() -> list[dict[str, Any]]:
+        events = client.call("GET", "/v1/events", query={"limit": 1000})["events"]
+        return [e for e in events if e["type"] == "lease.released" and e.get("lease") == lease["id"]]
+
+    wait_for(release_events, timeout=5.0)
+    [event] = release_events()
+    assert event["details"]["reason"] == f"holder pid {holder.pid} exited"
+    assert event["gpu"] == "GPU-sim-0"
+
+    wait_for(lambda: not living_members(pgid), timeout=5.0)
+    # Only a signal to the whole group reaches the member, and it was SIGTERM, not SIGKILL.
+    assert (work / "member-signal").read_text() == "TERM\n"
+    assert holder.wait(5) == -signal.SIGKILL
+
+
+def test_cmd_runs_with_the_lease_environment_and_its_exit_code_is_the_commands(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    environ = tmp_path / "environ"
+    cmd = ["sh", "-c", 'cat /proc/$$/environ > "$0"; exit 7', str(environ)]
+    holder = spawn([*gpubroker, "lease", "--gpu-memory", "4GiB", "--name", "worker", "--", *cmd], broker.env)
+
+    assert holder.wait(30) == 7, lease_log(tmp_path)
+
+    env = read_environ(environ)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-sim-0"
+    assert env["GPUBROKER_GPU_MEMORY"] == str(4 * GIB) == "4294967296"
+    lease = client.call("GET", f"/v1/leases/{env['GPUBROKER_LEASE']}")["lease"]
+    assert lease["holder"] == {"name": "worker", "uid": os.getuid(), "pid": holder.pid}
+    assert lease["state"] == "released"
+    assert lease["reason"] == f"released by uid {os.getuid()}"
+    assert client.call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []
+    assert lease_log(tmp_path) == ""
+
+
+@pytest.mark.parametrize("callers", [None, "/opt/callers/lib"], ids=["unset", "set"])
+def test_cmd_gets_the_callers_ld_library_path_never_the_bundles(
+    gpubroker: list[str],
+    broker_process: MakeBroker,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    tmp_path: Path,
+    callers: str | None,
+) -> None:
+    broker = start_broker(gpubroker, broker_process)
+    env = {k: v for k, v in broker.env.items() if k not in ("LD_LIBRARY_PATH", "LD_LIBRARY_PATH_ORIG")}
+    if callers is not None:
+        env["LD_LIBRARY_PATH"] = callers
+    cmd = ["sh", "-c", 'cat /proc/$$/environ > "$0/cmd"; cat /proc/$PPID/environ > "$0/holder"', str(tmp_path)]
+    holder = spawn([*gpubroker, "lease", "--gpu-memory", "1GiB", "--", *cmd], env)
+
+    assert holder.wait(30) == 0, lease_log(tmp_path)
+
+    if gpubroker == [str(BINARY)]:
+        # Else this test would prove nothing: the bundle's loader points the dynamic linker at its own libraries.
+        bundled = read_environ(tmp_path / "holder").get("LD_LIBRARY_PATH", "")
+        assert str(BINARY.parent / "_internal") in bundled.split(":")
+    assert read_environ(tmp_path / "cmd").get("LD_LIBRARY_PATH") == callers
