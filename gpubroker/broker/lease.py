@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpubroker.units import rfc3339
@@ -105,7 +105,18 @@ class Lease:
         return out
 
     def to_record(self) -> dict[str, Any]:
-        return asdict(self)
+        """What the store keeps (written out by hand: `asdict` costs a deep copy on every grant)."""
+        h = self.holder
+        return {
+            "id": self.id, "node": self.node, "state": self.state, "epoch": self.epoch, "priority": self.priority,
+            "preemption": self.preemption, "bind": self.bind,
+            "holder": {"name": h.name, "pid": h.pid, "uid": h.uid, "start_time": h.start_time},
+            "gpus": [{"index": g.index, "uuid": g.uuid, "bytes": g.bytes, "epoch": g.epoch} for g in self.gpus],
+            "exclusive": self.exclusive, "cpu_cores": self.cpu_cores, "memory": self.memory, "labels": self.labels,
+            "token_hash": self.token_hash, "requested_at": self.requested_at, "granted_at": self.granted_at,
+            "expires_at": self.expires_at, "ttl": self.ttl, "pgids": list(self.pgids), "ended_at": self.ended_at,
+            "reason": self.reason,
+        }  # fmt: skip
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Lease:

@@ -122,6 +122,7 @@ class Broker:
         self._reclaims: list[_Reclaim] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch: holders.HolderWatch | None = None
+        self._budgets: list[Budget] | None = None
 
     # ----- start and stop -------------------------------------------------
 
@@ -215,6 +216,7 @@ class Broker:
                 self._record(self._event("gpu.driver_ok", "GPUs can be read again"))
         self.driver_error = error
         self.readings = readings if readings is not None else []
+        self._changed()
         writes: list[Write] = []
         now = self.clock.now()
         for budget in self.budgets():
@@ -277,8 +279,15 @@ class Broker:
     # ----- the figures ----------------------------------------------------
 
     def budgets(self) -> list[Budget]:
-        live = list(self.leases.values())
-        return [compute_budget(reading, live, self.config.reserve) for reading in self.readings]
+        """Every accelerator's budget, computed once per change of readings or leases."""
+        if self._budgets is None:
+            live = list(self.leases.values())
+            self._budgets = [compute_budget(reading, live, self.config.reserve) for reading in self.readings]
+        return self._budgets
+
+    def _changed(self) -> None:
+        """Readings or leases changed: the budgets must be computed again."""
+        self._budgets = None
 
     def host_budget(self) -> HostBudget:
         cores = sum(lease.cpu_cores for lease in self.leases.values())
@@ -319,14 +328,15 @@ class Broker:
             holder.pid, holder.uid = caller.pid, caller.uid
         elif request.holder_pid is not None:
             holder.pid = request.holder_pid
-        if holder.pid is not None:
-            holder.start_time = holders.start_time(holder.pid)
         bind = request.bind or ("caller" if caller.transport == "unix" else "none")
+        if holder.pid is not None and bind == "caller":
+            holder.start_time = holders.start_time(holder.pid)
         if bind == "caller" and (holder.pid is None or holder.start_time is None):
             raise InvalidRequest(
                 "bind: caller needs a living holder process: call on the Unix socket, or give holder.pid", {"field": "bind"}
             )
-        priority = self.config.stamped_class(request.priority, caller.user, holder.name)
+        user = caller.user if self.config.stamps else None  # a passwd lookup only where stamps may need it
+        priority = self.config.stamped_class(request.priority, user, holder.name)
         if priority != request.priority:
             request = replace(request, priority=priority)
         if priority == "production" and not self.config.production_eligible:
@@ -399,6 +409,8 @@ class Broker:
     def _claimed_ahead(self, waiter: Waiter) -> set[int]:
         """Accelerators claimed by requests waiting ahead of this one (higher class, or earlier in its own)."""
         blocked: set[int] = set()
+        if not self.waiters:
+            return blocked
         budgets = self.budgets()
         for other in self.waiters:
             if other.order < waiter.order and other.lease is None:
@@ -462,6 +474,7 @@ class Broker:
             ttl=ttl,
         )
         self.leases[lease.id] = lease
+        self._changed()
         waiter.lease = lease
         where = ", ".join(f"GPU {g.index} {gib(g.bytes)} GiB epoch {g.epoch}" for g in gpus) or "no GPU"
         writes = [
@@ -484,6 +497,7 @@ class Broker:
             assert self._watch is not None
             if not self._watch.watch(lease.id, holder.pid, holder.start_time, self._holder_exited):
                 del self.leases[lease.id]
+                self._changed()
                 raise InvalidRequest(f"holder pid {holder.pid} exited before its lease could be granted", {"field": "holder"})
         return lease, token, writes
 
@@ -493,7 +507,7 @@ class Broker:
         return lease, token
 
     async def _make_durable(self, lease: Lease, writes: list[Write]) -> None:
-        commit = asyncio.ensure_future(self.store.commit(writes))
+        commit = self.store.commit(writes)
         try:
             # Commit before replying: a crash in between must leave a lease without a
             # client, never a client without a lease.
@@ -515,6 +529,7 @@ class Broker:
     def _rollback(self, lease: Lease) -> None:
         """A grant that could not be made durable never happened (its epochs stay used: they only grow)."""
         self.leases.pop(lease.id, None)
+        self._changed()
         if self._watch is not None:
             self._watch.unwatch(lease.id)
         self._scan()
@@ -659,6 +674,7 @@ class Broker:
             raise InvalidRequest(f"process group {pgid} does not exist", {"field": "pgid"})
         if pgid not in lease.pgids:
             lease.pgids.append(pgid)
+            self._changed()
             await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
         return lease
 
@@ -705,15 +721,16 @@ class Broker:
         """End a live lease in memory (its room is free at once) and return what makes that durable."""
         assert state in ENDED
         now = self.clock.now()
-        budgets = {b.reading.index: b for b in self.budgets()}
-        for gpu in lease.gpus:
-            budget = budgets.get(gpu.index)
-            if budget is not None:
-                pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
-                if pids:
+        if lease.gpus:
+            budgets = {b.reading.index: b for b in self.budgets()}
+            for gpu in lease.gpus:
+                budget = budgets.get(gpu.index)
+                if budget is not None and budget.usage.get(lease.id):
+                    pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
                     self._reclaims.append(_Reclaim(lease.id, gpu.index, pids, now))
         lease.state, lease.ended_at, lease.reason = state, now, reason
         del self.leases[lease.id]
+        self._changed()
         self.over_declared_ids.discard(lease.id)
         if self._watch is not None:
             self._watch.unwatch(lease.id)

@@ -106,12 +106,16 @@ class Store:
             self._thread = None
             self._env.close()
 
-    async def commit(self, writes: list[Write]) -> None:
-        """Returns once the writes are synced to disk; StoreFull if they do not fit (nothing is changed)."""
+    def commit(self, writes: list[Write]) -> asyncio.Future[None]:
+        """Done once the writes are synced to disk; StoreFull if they do not fit (nothing is changed).
+
+        The writes are handed over at once, in call order, and a plain future comes back:
+        no task to schedule on the way to the disk or on the way back.
+        """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         self._queue.put(_Batch(writes, future, loop))
-        await future
+        return future
 
     def submit(self, writes: list[Write]) -> None:
         """Writes that ride the next commit, with nobody waiting on them (events)."""

@@ -1,0 +1,18 @@
+from dataclasses import asdict
+
+from gpubroker.broker.lease import Holder, Lease, LeasedGpu, hash_token
+
+
+def test_a_lease_record_keeps_every_field_and_reads_back_equal() -> None:
+    lease = Lease(
+        id="l-1", node="n-1", state="granted", epoch=7, priority="background", preemption="drain", bind="caller",
+        holder=Holder("train", 42, 1000, 123.5), gpus=[LeasedGpu(0, "GPU-0", 2**30, 3)], exclusive=False,
+        cpu_cores=2, memory=2**20, labels={"a": "b"}, token_hash=hash_token("t"), requested_at=1.0,
+        granted_at=2.0, expires_at=3.0, ttl=1.0, pgids=[42],
+    )  # fmt: skip
+    record = lease.to_record()
+    assert record == asdict(lease)
+    assert Lease.from_record(record) == lease
+    assert lease.token_matches("t")
+    assert not lease.token_matches("u")
+    assert not lease.token_matches(None)
