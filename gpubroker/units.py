@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
+from fractions import Fraction
 
 _SIZE_UNITS = {
     "": 1,
@@ -18,7 +19,9 @@ _SIZE_UNITS = {
     "TIB": 2**40,
 }
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_NUMBER_WITH_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_NUMBER_WITH_UNIT = re.compile(r"^\s*(\d{1,30}(?:\.\d{1,30})?)\s*([A-Za-z]*)\s*$", re.ASCII)
+# RFC 3339's date-time, nothing looser: ISO 8601's other forms are not accepted.
+_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:[Zz]|[+-]\d{2}:\d{2})$", re.ASCII)
 # Far beyond any real card or machine; keeps arithmetic and JSON integers sane.
 MAX_BYTES = 2**60
 MAX_SECONDS = 10 * 365 * 86400.0
@@ -33,17 +36,15 @@ def parse_size(value: object) -> int:
     if isinstance(value, bool):
         raise UnitError(f"size must be bytes or a string with a unit, not {value!r}")
     if isinstance(value, int):
-        number: float = value
-        unit = ""
+        size = value
     elif isinstance(value, str):
         match = _NUMBER_WITH_UNIT.match(value)
         if not match or match.group(2).upper() not in _SIZE_UNITS:
             raise UnitError(f"size {value!r} is not bytes or a number with a unit (8GiB, 512MiB, 8GB)")
-        number = float(match.group(1))
-        unit = match.group(2).upper()
+        # Exact arithmetic: byte counts beyond 2^53 must not be rounded by floats.
+        size = int(Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
     else:
         raise UnitError(f"size must be bytes or a string with a unit, not {type(value).__name__}")
-    size = int(number * _SIZE_UNITS[unit])
     if size < 0 or size > MAX_BYTES:
         raise UnitError(f"size {value!r} is out of range (0 to 2^60 bytes)")
     return size
@@ -54,6 +55,8 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise UnitError(f"duration must be seconds or a string with a unit, not {value!r}")
     if isinstance(value, int):
+        if not 0 <= value <= MAX_SECONDS:
+            raise UnitError(f"duration {value!r} is out of range (0 to 10 years)")
         seconds = float(value)
     elif isinstance(value, str):
         match = _NUMBER_WITH_UNIT.match(value)
@@ -70,15 +73,20 @@ def parse_duration(value: object) -> float:
 
 def parse_time(value: object) -> float:
     """A Unix time from an RFC 3339 string (`2026-11-30T10:00:00Z`)."""
-    if not isinstance(value, str) or "T" not in value.upper():
-        raise UnitError(f"time {value!r} is not RFC 3339 (2026-11-30T10:00:00Z)")
+    if not isinstance(value, str) or not _RFC3339.match(value):
+        raise UnitError(f"time {value!r} is not RFC 3339 with a time zone (2026-11-30T10:00:00Z)")
+    text = value.upper()
+    if "." in text:  # Python reads at most microseconds
+        head, _, tail = text.partition(".")
+        digits = re.match(r"\d*", tail, re.ASCII).group()  # type: ignore[union-attr]
+        text = f"{head}.{digits[:6].ljust(6, '0')}{tail[len(digits) :]}"
     try:
-        parsed = datetime.fromisoformat(value.replace("z", "Z"))
-    except ValueError:
-        raise UnitError(f"time {value!r} is not RFC 3339 (2026-11-30T10:00:00Z)") from None
-    if parsed.tzinfo is None:
-        raise UnitError(f"time {value!r} has no time zone; RFC 3339 needs one (Z or +01:00)")
-    return parsed.timestamp()
+        parsed = datetime.fromisoformat(text)
+        timestamp = parsed.timestamp()
+        rfc3339(timestamp)  # an instant beyond year 1 to 9999 in UTC cannot be written back
+    except (ValueError, OverflowError):
+        raise UnitError(f"time {value!r} is not a valid date and time from year 1 to 9999") from None
+    return timestamp
 
 
 def rfc3339(timestamp: float) -> str:

@@ -128,4 +128,5 @@ class Lease:
 
 def hash_token(token: str) -> str:
     """Tokens are kept as hashes: the store never holds what would let a reader act on a lease."""
-    return hashlib.sha256(token.encode()).hexdigest()
+    # surrogateescape: a header that was not UTF-8 must hash (and fail to match), not raise.
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()

@@ -69,10 +69,20 @@ def _count(body: dict[str, Any], name: str, limit: int) -> int | None:
     return value
 
 
-def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_TEXT:
-        raise _invalid(name, f"must be a non-empty string of at most {MAX_TEXT} characters")
+def _text(value: Any, name: str, *, empty: bool = False) -> str:
+    if not isinstance(value, str) or (not value and not empty) or len(value) > MAX_TEXT:
+        raise _invalid(name, f"must be a {'' if empty else 'non-empty '}string of at most {MAX_TEXT} characters")
+    if not _encodes(value):
+        raise _invalid(name, "must be UTF-8 text")
     return value
+
+
+def _encodes(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: JSON can carry it, nothing downstream can
+        return False
+    return True
 
 
 def _choice(body: dict[str, Any], name: str, choices: tuple[str, ...], default: str | None) -> str | None:
@@ -102,7 +112,9 @@ def parse_request(body: Any) -> LeaseRequest:
     if unknown:
         raise InvalidRequest(f"unknown field {unknown[0]!r}; a request has: {', '.join(FIELDS)}", {"field": unknown[0]})
     gpu_memory = _unit(body, "gpu_memory", parse_size) or 0
-    exclusive = body.get("exclusive", False)
+    exclusive = body.get("exclusive")
+    if exclusive is None:
+        exclusive = False  # null means left out, as for every field
     if not isinstance(exclusive, bool):
         raise _invalid("exclusive", "must be true or false")
     gpus = _count(body, "gpus", MAX_GPUS)
@@ -138,13 +150,14 @@ def parse_request(body: Any) -> LeaseRequest:
             holder_pid = holder["pid"]
             if isinstance(holder_pid, bool) or not isinstance(holder_pid, int) or not 0 < holder_pid < 2**22:
                 raise _invalid("holder.pid", "must be a process id")
-    labels = body.get("labels", {})
+    labels = body.get("labels")
+    if labels is None:
+        labels = {}
     if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
         raise _invalid("labels", f"must be an object of at most {MAX_LABELS} string values")
     for key, value in labels.items():
         _text(key, "labels")
-        if not isinstance(value, str) or len(value) > MAX_TEXT:
-            raise _invalid("labels", f"label {key!r} must be a string of at most {MAX_TEXT} characters")
+        _text(value, "labels", empty=True)
     return LeaseRequest(
         gpu_memory=gpu_memory,
         gpus=gpus,

@@ -164,8 +164,9 @@ class Store:
                 "Raise store_size or release leases",
                 {"store_size": self._env.info()["map_size"]},
             )
-        except lmdb.Error as error:  # a disk fault: the writes did not happen, and the callers hear so
-            return StoreFull(f"the state store could not be written: {error}", {})
+        except Exception as error:  # a disk fault or a value that cannot be packed: the writes did not happen,
+            # the callers hear so, and the writer lives on for the next batch.
+            return StoreFull(f"the state store could not be written: {type(error).__name__}: {error}", {})
 
     @staticmethod
     def _resolve(batches: list[_Batch], error: Exception | None) -> None:

@@ -108,7 +108,7 @@ def _int_query(request: web.Request, name: str, default: int, low: int, high: in
     value = request.query.get(name)
     if value is None:
         return default
-    if not value.isdigit() or not low <= int(value) <= high:
+    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
         raise InvalidRequest(f"{name} must be an integer from {low} to {high}, not {value!r}", {"field": name})
     return int(value)
 

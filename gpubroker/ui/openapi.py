@@ -9,8 +9,8 @@ from gpubroker.broker.request import BINDS, MAX_GPUS, PREEMPTIONS
 from gpubroker.config import CLASSES
 from gpubroker.errors import FailureCode
 
-_SIZE = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^\d+(\.\d+)?\s*([KMGT]i?B|B)?$"}]}
-_DURATION = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^\d+(\.\d+)?\s*(ms|s|m|h)?$"}]}
+_SIZE = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]{1,30}(\.[0-9]{1,30})? ?([KMGT]i?B|B)?$"}]}
+_DURATION = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]{1,30}(\.[0-9]{1,30})? ?(ms|s|m|h)?$"}]}
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
 _TOKEN = {"name": "X-Lease-Token", "in": "header", "required": False, "schema": {"type": "string"}}
 
