@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,19 +102,28 @@ def belongs_to(process: GpuProcess, lease: Lease) -> bool:
     return process.pgid is not None and process.pgid in lease.pgids
 
 
-def compute_budget(reading: GpuReading, leases: Iterable[Lease], reserve: int) -> Budget:
-    """The seven figures of one accelerator from one reading and the live leases on it."""
-    mine = tuple(lease for lease in leases if lease.live and any(g.index == reading.index for g in lease.gpus))
-    usage = {lease.id: 0 for lease in mine}
+def compute_budgets(readings: Iterable[GpuReading], leases: Iterable[Lease], reserve: int) -> list[Budget]:
+    """Every accelerator's budget: the live leases are grouped by GPU in one pass."""
+    by_index: dict[int, list[tuple[Lease, int]]] = {}
+    for lease in leases:
+        if lease.live:
+            for gpu in lease.gpus:
+                by_index.setdefault(gpu.index, []).append((lease, gpu.bytes))
+    return [compute_budget(reading, by_index.get(reading.index, ()), reserve) for reading in readings]
+
+
+def compute_budget(reading: GpuReading, mine: Sequence[tuple[Lease, int]], reserve: int) -> Budget:
+    """The seven figures of one accelerator from one reading and the live leases on it, with what each declared there."""
+    usage = {lease.id: 0 for lease, _ in mine}
     attributed: list[AttributedProcess] = []
     for process in reading.processes or ():
-        owner = next((lease.id for lease in mine if belongs_to(process, lease)), None)
+        owner = next((lease.id for lease, _ in mine if belongs_to(process, lease)), None)
         attributed.append(AttributedProcess(process, owner))
         if owner is not None and process.bytes:
             usage[owner] += process.bytes
     observed = reading.used
     external = max(0, observed - sum(usage.values()))
-    leased = sum(max(lease.bytes_on(reading.index), usage[lease.id]) for lease in mine)
+    leased = sum(max(declared, usage[lease.id]) for lease, declared in mine)
     schedulable = max(0, reading.total - external - leased - reserve)
     unattributed: int | None
     if reading.processes is None:
@@ -125,7 +134,7 @@ def compute_budget(reading: GpuReading, leases: Iterable[Lease], reserve: int) -
         listed = sum(p.process.bytes or 0 for p in attributed if p.lease is None)
         unattributed = max(0, external - listed)
     figures = Figures(reading.total, observed, external, 0, leased, reserve, schedulable)
-    return Budget(reading, figures, unattributed, tuple(attributed), usage, mine)
+    return Budget(reading, figures, unattributed, tuple(attributed), usage, tuple(lease for lease, _ in mine))
 
 
 def over_declared(budget: Budget) -> list[tuple[Lease, int]]:

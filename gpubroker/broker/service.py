@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from gpubroker import __version__
 from gpubroker.broker import holders
-from gpubroker.broker.budget import Budget, compute_budget, over_declared
+from gpubroker.broker.budget import Budget, compute_budgets, over_declared
 from gpubroker.broker.decide import HostBudget, Placement, candidates, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token
 from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeError, sample_host
@@ -281,8 +281,7 @@ class Broker:
     def budgets(self) -> list[Budget]:
         """Every accelerator's budget, computed once per change of readings or leases."""
         if self._budgets is None:
-            live = list(self.leases.values())
-            self._budgets = [compute_budget(reading, live, self.config.reserve) for reading in self.readings]
+            self._budgets = compute_budgets(self.readings, self.leases.values(), self.config.reserve)
         return self._budgets
 
     def _changed(self) -> None:
@@ -421,7 +420,7 @@ class Broker:
         """Whether the request cannot fit by its deadline even if every lease that may end by then does."""
         assert request.deadline is not None
         staying = [lease for lease in self.leases.values() if lease.preemption == "never" and lease.expires_at > request.deadline]
-        budgets = [compute_budget(reading, staying, self.config.reserve) for reading in self.readings]
+        budgets = compute_budgets(self.readings, staying, self.config.reserve)
         return isinstance(self._place(request, set(), budgets), Refusal)
 
     def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
@@ -449,7 +448,7 @@ class Broker:
             self._gpu_epochs[uuid] = self._gpu_epochs.get(uuid, 0) + 1
             gpus.append(LeasedGpu(index, uuid, size, self._gpu_epochs[uuid]))
         ttl = request.ttl or self.config.default_ttl
-        token = secrets.token_urlsafe(24)
+        token = secrets.token_urlsafe(24)  # the id was drawn when the request arrived
         holder = waiter.holder
         if holder.name is None and holder.pid is not None:
             holder.name = holders.process_name(holder.pid)
@@ -721,7 +720,7 @@ class Broker:
         """End a live lease in memory (its room is free at once) and return what makes that durable."""
         assert state in ENDED
         now = self.clock.now()
-        if lease.gpus:
+        if lease.gpus and any(reading.processes for reading in self.readings):
             budgets = {b.reading.index: b for b in self.budgets()}
             for gpu in lease.gpus:
                 budget = budgets.get(gpu.index)

@@ -33,9 +33,10 @@ def _error(error: BrokerError) -> web.Response:
 
 
 @web.middleware
-async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves in the one error shape, with its status from SPEC §3.6."""
+async def api_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The Host check, then the handler; every failure leaves in the one error shape, with its status from SPEC §3.6."""
     try:
+        _check_host(request)
         return await handler(request)
     except BrokerError as error:
         return _error(error)
@@ -63,8 +64,7 @@ def _allowed_hosts(config: Config) -> frozenset[str]:
     return frozenset({"localhost", "127.0.0.1", "::1", host, *config.allowed_hosts})
 
 
-@web.middleware
-async def host_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+def _check_host(request: web.Request) -> None:
     """Against DNS rebinding: on TCP, the Host must be localhost, the listen address or an allowed host."""
     if _caller(request).transport == "tcp":
         host = request.headers.get("Host", "")
@@ -73,7 +73,6 @@ async def host_middleware(request: web.Request, handler: Handler) -> web.StreamR
             raise Forbidden(
                 f"Host {host!r} is not this broker's address; add it to allowed_hosts to reach the API by that name", {"host": host}
             )
-    return await handler(request)
 
 
 def _caller(request: web.Request) -> Caller:
@@ -203,7 +202,7 @@ async def openapi(request: web.Request) -> web.Response:
 
 def make_app(broker: Broker) -> web.Application:
     config = broker.config
-    app = web.Application(middlewares=[errors_middleware, host_middleware], client_max_size=config.max_body)
+    app = web.Application(middlewares=[api_middleware], client_max_size=config.max_body)
     app[BROKER] = broker
     app[CONFIG] = config
     app[CONFIG_HOSTS] = _allowed_hosts(config)
