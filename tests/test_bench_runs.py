@@ -1,0 +1,23 @@
+"""The benchmark stays runnable: it prints its figures and writes them as JSON (it never judges a time)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_leases.py"
+
+
+@pytest.mark.slow
+def test_the_lease_benchmark_runs_and_writes_its_figures_as_json(tmp_path: Path) -> None:
+    out = tmp_path / "leases.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Ratios" in run.stdout
+    results = json.loads(out.read_text())
+    assert results["memory"]["idle_mb"] > 0
+    assert results["ratios"]
