@@ -464,3 +464,27 @@ async def test_deadline_times_are_read_as_rfc3339(make_node: Callable[..., Any])
     lease, _ = await node.ask(gpu_memory="1GiB", deadline=at)
     assert lease["state"] == "granted"
     assert parse_time(at) == pytest.approx(node.clock.now() + 3600, abs=0.001)
+
+
+async def test_the_loop_keeps_granting_while_a_gpu_reading_is_stuck_in_the_driver(make_node: Callable[..., Any]) -> None:
+    import threading
+
+    node = await make_node()
+    entered, release = threading.Event(), threading.Event()
+    real_sample = node.probe.sample
+
+    def stuck_sample() -> Any:
+        entered.set()
+        release.wait(10)  # a driver call that hangs: it must hang a thread, never the loop
+        return real_sample()
+
+    node.probe.sample = stuck_sample  # type: ignore[method-assign]
+    reading = asyncio.create_task(node.sample())
+    try:
+        await asyncio.wait_for(asyncio.to_thread(entered.wait, 5), 6)
+        lease, _ = await asyncio.wait_for(node.ask(gpu_memory="1GiB"), 5)
+        assert lease["state"] == "granted"
+        assert not reading.done()
+    finally:
+        release.set()
+        await reading
