@@ -41,8 +41,10 @@ def parse_size(value: object) -> int:
         match = _NUMBER_WITH_UNIT.match(value)
         if not match or match.group(2).upper() not in _SIZE_UNITS:
             raise UnitError(f"size {value!r} is not bytes or a number with a unit (8GiB, 512MiB, 8GB)")
+        number = match.group(1)
         # Exact arithmetic: byte counts beyond 2^53 must not be rounded by floats.
-        size = int(Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+        exact = int(number) if "." not in number else Fraction(number)
+        size = int(exact * _SIZE_UNITS[match.group(2).upper()])
     else:
         raise UnitError(f"size must be bytes or a string with a unit, not {type(value).__name__}")
     if size < 0 or size > MAX_BYTES:

@@ -8,12 +8,12 @@ answered only after the store has synced it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import pwd
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -86,17 +86,22 @@ class _Reclaim:
     reported: bool = False
 
 
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0)
+
+
 @dataclass(slots=True)
 class Stats:
-    """What the metrics read: decisions by result code and how long grants took."""
+    """Decisions by result code and how long grants took: plain counts, read by the metrics at scrape time."""
 
     results: dict[str, int] = field(default_factory=dict)
-    on_decision: Callable[[str, float], None] | None = None
+    grant_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))  # the last is +Inf
+    grant_seconds: float = 0.0
 
     def record(self, code: str, seconds: float) -> None:
         self.results[code] = self.results.get(code, 0) + 1
-        if self.on_decision is not None:
-            self.on_decision(code, seconds)
+        if code == "GRANTED":
+            self.grant_buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            self.grant_seconds += seconds
 
 
 class Broker:
@@ -814,7 +819,7 @@ class Broker:
         self._event_seq += 1
         event: dict[str, Any] = {
             "seq": self._event_seq,
-            "time": rfc3339(self.clock.now()),
+            "time": self.clock.now(),  # stored as a number; written as RFC 3339 when served
             "type": type_,
             "message": message,
             "details": details or {},
@@ -835,4 +840,6 @@ class Broker:
 
     def events(self, after: int, limit: int) -> tuple[list[dict[str, Any]], int]:
         events = self.store.events_after(after, limit)
+        for event in events:
+            event["time"] = rfc3339(event["time"])
         return events, events[-1]["seq"] if events else after

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpubroker.broker.budget import FIGURES
-from gpubroker.broker.service import Broker
+from gpubroker.broker.service import LATENCY_BUCKETS, Broker
 from gpubroker.config import CLASSES
 
 
@@ -19,7 +19,7 @@ class _BrokerCollector(Collector):
     def __init__(self, broker: Broker) -> None:
         self._broker = broker
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         broker = self._broker
         figures = {
             name: GaugeMetricFamily(
@@ -66,27 +66,24 @@ class _BrokerCollector(Collector):
         up = GaugeMetricFamily("gpubroker_driver_ok", "1 when the GPUs can be read")
         up.add_metric([], 0.0 if broker.driver_error else 1.0)
         yield up
+        stats = broker.stats
+        requests = CounterMetricFamily("gpubroker_requests", "lease requests by result code (GRANTED or a failure code)", labels=["code"])
+        for code, count in sorted(stats.results.items()):
+            requests.add_metric([code], count)
+        yield requests
+        cumulative, buckets = 0, []
+        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), stats.grant_buckets, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        latency = HistogramMetricFamily("gpubroker_grant_latency_seconds", "time from request to durable grant")
+        latency.add_metric([], buckets, sum_value=stats.grant_seconds)
+        yield latency
 
 
 class Metrics:
     def __init__(self, broker: Broker) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_BrokerCollector(broker))
-        self.decisions = Counter(
-            "gpubroker_requests", "lease requests by result code (GRANTED or a failure code)", ["code"], registry=self.registry
-        )
-        self.latency = Histogram(
-            "gpubroker_grant_latency_seconds",
-            "time from request to durable grant",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0),
-            registry=self.registry,
-        )
-        broker.stats.on_decision = self._observe
-
-    def _observe(self, code: str, seconds: float) -> None:
-        self.decisions.labels(code).inc()
-        if code == "GRANTED":
-            self.latency.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
