@@ -143,13 +143,11 @@ class Broker:
             key = seq_key(int(record.pop("_end", 0)))
             lease = Lease.from_record(record)
             self.ended[lease.id] = (key, lease)
+            self._saw_epochs(lease)
         for record in loaded.leases:
             lease = Lease.from_record(record)
             self.leases[lease.id] = lease
-            # An epoch never goes backwards, even if a counter was lost: the leases themselves bound it.
-            self._lease_epoch = max(self._lease_epoch, lease.epoch)
-            for gpu in lease.gpus:
-                self._gpu_epochs[gpu.uuid] = max(self._gpu_epochs.get(gpu.uuid, 0), gpu.epoch)
+            self._saw_epochs(lease)
         self._watch = holders.HolderWatch(asyncio.get_running_loop())
         self.store.start()
         writes = [Write("meta", b"node_id", self.node_id)]
@@ -167,6 +165,17 @@ class Broker:
         )
         await self.store.commit(writes)
         await self.sample()
+
+    def _saw_epochs(self, lease: Lease) -> None:
+        """Epochs only grow: every stored lease, live or ended, bounds the counters from below.
+
+        A grant writes its lease record alone (its epochs inside it), so the counters need no
+        write of their own; the `epochs` record is written when an ended lease is dropped from
+        the history, the only moment an epoch could otherwise be forgotten.
+        """
+        self._lease_epoch = max(self._lease_epoch, lease.epoch)
+        for gpu in lease.gpus:
+            self._gpu_epochs[gpu.uuid] = max(self._gpu_epochs.get(gpu.uuid, 0), gpu.epoch)
 
     async def run(self) -> None:
         """Sample the GPUs and expire leases until cancelled."""
@@ -483,7 +492,6 @@ class Broker:
         where = ", ".join(f"GPU {g.index} {gib(g.bytes)} GiB epoch {g.epoch}" for g in gpus) or "no GPU"
         writes = [
             Write("leases", lease.id.encode(), lease.to_record()),
-            Write("meta", b"epochs", {"lease": self._lease_epoch, "gpu": dict(self._gpu_epochs)}),
             self._event(
                 "lease.granted",
                 f"lease {lease.id} granted to {holder.name or 'an unnamed holder'} ({lease.priority}): {where}",
@@ -754,9 +762,13 @@ class Broker:
         self.ended[lease.id] = (key, lease)
         while len(self.ended) > self.config.leases_kept:
             _, (old_key, _) = self.ended.popitem(last=False)
+            writes.append(self._epochs_write())
             writes.append(Write("ended", old_key))
         self._scan()
         return writes
+
+    def _epochs_write(self) -> Write:
+        return Write("meta", b"epochs", {"lease": self._lease_epoch, "gpu": dict(self._gpu_epochs)})
 
     # ----- listing --------------------------------------------------------
 

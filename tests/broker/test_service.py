@@ -488,3 +488,17 @@ async def test_the_loop_keeps_granting_while_a_gpu_reading_is_stuck_in_the_drive
     finally:
         release.set()
         await reading
+
+
+async def test_epochs_still_grow_after_the_leases_that_held_them_left_the_history(make_node: Callable[..., Any]) -> None:
+    node = await make_node(leases_kept=2)
+    top = 0
+    for _ in range(5):
+        lease, token = await node.ask(gpu_memory="1GiB")
+        await node.broker.release(lease["id"], TCP, token)
+        top = lease["epoch"]
+    assert len(node.broker.ended) == 2
+    await node.restart()
+    fresh, _ = await node.ask(gpu_memory="1GiB")
+    assert fresh["epoch"] > top
+    assert fresh["gpus"][0]["epoch"] > top
