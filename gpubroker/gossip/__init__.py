@@ -1,0 +1,1 @@
+"""The mesh: discovery, membership (SWIM with Lifeguard), node documents, the coordinator, identity."""
