@@ -163,6 +163,50 @@ def cmd_lease(args: argparse.Namespace) -> int:
     return _run_under_lease(client, lease, args.command)
 
 
+class _Terminal:
+    """The controlling terminal, when this process is in its foreground: CMD's group gets it while it runs,
+    so Ctrl-C and reads from the terminal reach the work, as if it had been started by the shell."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+        self._ours = os.getpgrp()
+
+    @classmethod
+    def open(cls) -> _Terminal:
+        try:
+            fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+        except OSError:
+            return cls(None)  # no controlling terminal: a service, a pipe, a test
+        try:
+            foreground = os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:
+            foreground = False
+        if not foreground:  # a background job keeps its hands off the terminal
+            os.close(fd)
+            return cls(None)
+        return cls(fd)
+
+    def _set(self, pgid: int) -> None:
+        if self._fd is None:
+            return
+        previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # tcsetpgrp from outside the foreground group
+        try:
+            os.tcsetpgrp(self._fd, pgid)
+        except OSError:
+            pass  # the group is gone or the terminal was hung up: nothing to hand over
+        finally:
+            signal.signal(signal.SIGTTOU, previous)
+
+    def hand_to(self, pgid: int) -> None:
+        self._set(pgid)
+
+    def take_back(self) -> None:
+        self._set(self._ours)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) -> int:
     token = {"X-Lease-Token": lease["token"]}
     gate = os.pipe()
@@ -177,8 +221,10 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
         return 127
     finally:
         os.close(gate[0])
+    terminal = _Terminal.open()
     try:
         client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token)
+        terminal.hand_to(child.pid)
         os.write(gate[1], b"go\n")
     finally:
         os.close(gate[1])
@@ -206,6 +252,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
     code = child.wait()
+    terminal.take_back()
     done.set()
     try:
         client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token)

@@ -115,3 +115,39 @@ def test_a_second_broker_on_the_same_state_refuses_to_start(broker_process: type
     )  # fmt: skip
     assert second.returncode == 2
     assert "another broker is running on" in second.stderr
+
+
+def test_a_command_run_under_a_lease_gets_the_terminal_like_a_shell_job(broker_process: type[BrokerProcess]) -> None:
+    import fcntl
+    import os
+    import pty
+    import termios
+
+    broker = broker_process("1x24GiB").start()
+    master, slave = pty.openpty()
+
+    def own_terminal() -> None:  # a new session whose controlling terminal is the pty, as a login shell's job
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    probe = "import os; print('foreground', os.tcgetpgrp(0) == os.getpgrp(), flush=True)"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "gpubroker", "lease", "--gpu-memory", "1GiB", "--", sys.executable, "-c", probe],
+        env=broker.env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=own_terminal,
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        assert run.wait(30) == 0
+        output = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the pty is closed once every holder of its slave has exited
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(master)
+        if run.poll() is None:
+            run.kill()
+    assert b"foreground True" in output, output
