@@ -1,0 +1,185 @@
+"""Node documents (SPEC §7): what each node holds, written and signed by that node alone.
+
+A document carries its node's accelerators' seven figures and processes (external ones by
+name), one record per lease, the queue and the CPU and memory budgets. The highest
+(generation, version) wins: the generation grows at every start of the broker, the version at
+every change within one run. Figures are rounded and a new version is made at most about once
+a second, so gossip does not storm. The age of a view is measured on the receiving node's
+clock, from when it was received; the sender's clock is shown, never trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+ROUNDING = 64 * 2**20  # figures are published to the nearest 64 MiB: finer changes are noise, not news
+MIN_INTERVAL = 1.0  # seconds between two versions of a document, at least
+MAX_DOCUMENT = 256 * 2**10  # bytes; more is refused before it is parsed
+
+Sign = Callable[[bytes], bytes]
+Verify = Callable[[bytes, bytes, bytes], bool]  # (public key, data, signature) → genuine
+NodeIdOf = Callable[[bytes], str]  # public key → node id
+
+
+class DocumentError(Exception):
+    """A document that is malformed, too large, or not signed by the node it names: dropped, never applied."""
+
+
+def round_bytes(size: int) -> int:
+    return int(round(size / ROUNDING)) * ROUNDING
+
+
+def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The published part of `GET /v1/node` and the live leases: figures rounded, external processes by name."""
+    gpus = []
+    for gpu in node.get("gpus", []):
+        external: dict[str, int] = {}
+        for process in gpu.get("processes", []):
+            if process.get("lease") is None and process.get("bytes"):
+                name = process.get("name") or "unnamed"
+                external[name] = external.get(name, 0) + process["bytes"]
+        gpus.append(
+            {
+                "index": gpu["index"],
+                "uuid": gpu["uuid"],
+                "name": gpu["name"],
+                "figures": {k: round_bytes(v) for k, v in gpu["figures"].items()},
+                "external": {name: round_bytes(size) for name, size in sorted(external.items())},
+                "pressure": bool(gpu.get("pressure")),
+            }
+        )
+    records = [
+        {
+            "id": lease["id"],
+            "holder": lease["holder"].get("name"),
+            "priority": lease["priority"],
+            "gpus": [[g["index"], g["bytes"]] for g in lease.get("gpus", [])],
+            "expires_at": lease["expires_at"],
+        }
+        for lease in leases
+        if lease.get("state") == "granted"
+    ]
+    return {
+        "name": node["node"]["name"],
+        "version_of_broker": node["node"].get("version"),
+        "production_eligible": node["node"].get("production_eligible", True),
+        "driver_error": node.get("driver_error"),
+        "gpus": gpus,
+        "cpu": node.get("cpu", {}),
+        "memory": {k: round_bytes(v) for k, v in node.get("memory", {}).items()},
+        "queue": dict(node.get("queue", {})),
+        "leases": records,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDocument:
+    node: str
+    generation: int
+    version: int
+    made_at: float  # the sender's clock: shown, never used to judge freshness
+    body: dict[str, Any]
+    public_key: bytes
+    signature: bytes = b""
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.generation, self.version
+
+    def signed_part(self) -> bytes:
+        payload = [self.node, self.generation, self.version, self.made_at, self.body, self.public_key]
+        packed: bytes = msgpack.packb(payload, use_bin_type=True)
+        return packed
+
+
+def sign_document(document: NodeDocument, sign: Sign) -> bytes:
+    """The document as bytes: its signed part and the signature over it."""
+    data = document.signed_part()
+    packed: bytes = msgpack.packb([data, sign(data)], use_bin_type=True)
+    return packed
+
+
+def open_document(data: bytes, verify: Verify, node_id_of: NodeIdOf) -> NodeDocument:
+    """A document from bytes, only if its node's own key signed it and that key is the node's id."""
+    if len(data) > MAX_DOCUMENT:
+        raise DocumentError(f"a document of {len(data)} bytes is over {MAX_DOCUMENT}")
+    try:
+        # unpackb bounds every length by the input's size, which is already bounded above.
+        signed, signature = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        node, generation, version, made_at, body, public_key = msgpack.unpackb(signed, raw=False, strict_map_key=True)
+    except Exception as error:  # any malformation: msgpack raises many kinds, and unpacking a wrong shape more
+        raise DocumentError(f"not a node document: {type(error).__name__}") from None
+    if not (
+        isinstance(signed, bytes)
+        and isinstance(signature, bytes)
+        and isinstance(node, str)
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in (generation, version))
+        and isinstance(made_at, int | float)
+        and isinstance(body, dict)
+        and isinstance(public_key, bytes)
+    ):
+        raise DocumentError("not a node document: a field has the wrong type")
+    if node_id_of(public_key) != node:
+        raise DocumentError(f"document of {node!r} carries a key that is not that node's")
+    if not verify(public_key, signed, signature):
+        raise DocumentError(f"document of {node!r} is not signed by its node")
+    return NodeDocument(node, generation, version, float(made_at), body, public_key, signature)
+
+
+@dataclass(slots=True)
+class _Held:
+    document: NodeDocument
+    received_at: float  # the receiving node's clock
+
+
+@dataclass(slots=True)
+class ClusterView:
+    """Every node's latest document as this node holds it, with how old each is on this node's clock."""
+
+    held: dict[str, _Held] = field(default_factory=dict)
+
+    def apply(self, document: NodeDocument, now: float) -> bool:
+        """Keep the document if it is newer than the one held; True if it was."""
+        current = self.held.get(document.node)
+        if current is not None and current.document.order >= document.order:
+            return False
+        self.held[document.node] = _Held(document, now)
+        return True
+
+    def knows(self, node: str) -> tuple[int, int] | None:
+        held = self.held.get(node)
+        return held.document.order if held else None
+
+    def age(self, node: str, now: float) -> float | None:
+        held = self.held.get(node)
+        return None if held is None else max(0.0, now - held.received_at)
+
+    def forget(self, node: str) -> None:
+        self.held.pop(node, None)
+
+    def documents(self) -> list[tuple[NodeDocument, float]]:
+        return [(held.document, held.received_at) for held in self.held.values()]
+
+
+@dataclass(slots=True)
+class Publisher:
+    """This node's own document: a new version when the rounded summary changes, at most once per MIN_INTERVAL."""
+
+    node: str
+    generation: int
+    public_key: bytes
+    version: int = 0
+    last_body: dict[str, Any] | None = None
+    last_made: float = float("-inf")
+
+    def next(self, body: dict[str, Any], now: float) -> NodeDocument | None:
+        """A new document if the body changed and the last one is old enough; else None."""
+        if body == self.last_body or now - self.last_made < MIN_INTERVAL:
+            return None
+        self.version += 1
+        self.last_body, self.last_made = body, now
+        return NodeDocument(self.node, self.generation, self.version, now, body, self.public_key)

@@ -1,0 +1,163 @@
+"""Node documents: signed by their node alone, newest wins, age on the receiver's clock, published calmly."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgpack
+import pytest
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpubroker.gossip.documents import (
+    ROUNDING,
+    ClusterView,
+    DocumentError,
+    NodeDocument,
+    Publisher,
+    open_document,
+    sign_document,
+    summarize,
+)
+
+GIB = 2**30
+
+
+def raw(key: Ed25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def node_id_of(public_key: bytes) -> str:
+    return "n-" + hashlib.sha256(public_key).hexdigest()[:16]
+
+
+def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+KEY, OTHER = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+NODE = node_id_of(raw(KEY))
+
+
+def document(generation: int = 1, version: int = 1, body: dict[str, Any] | None = None, key: Ed25519PrivateKey = KEY) -> NodeDocument:
+    return NodeDocument(node_id_of(raw(key)), generation, version, 1000.0, body or {"name": "tower"}, raw(key))
+
+
+def test_a_document_signed_by_its_node_opens_with_every_field() -> None:
+    sent = document(body={"name": "tower", "gpus": [{"index": 0}]})
+    opened = open_document(sign_document(sent, KEY.sign), verify, node_id_of)
+    assert (opened.node, opened.order, opened.body, opened.made_at) == (NODE, (1, 1), sent.body, 1000.0)
+
+
+def test_a_document_signed_by_another_key_is_rejected() -> None:
+    forged = sign_document(document(), OTHER.sign)  # names NODE and carries its key, but OTHER signed it
+    with pytest.raises(DocumentError, match="not signed by its node"):
+        open_document(forged, verify, node_id_of)
+
+
+def test_a_document_naming_a_node_whose_key_it_does_not_carry_is_rejected() -> None:
+    impostor = NodeDocument(NODE, 9, 9, 0.0, {"name": "evil"}, raw(OTHER))
+    with pytest.raises(DocumentError, match="not that node's"):
+        open_document(sign_document(impostor, OTHER.sign), verify, node_id_of)
+
+
+def test_a_tampered_body_is_rejected() -> None:
+    signed, signature = msgpack.unpackb(sign_document(document(), KEY.sign), raw=False)
+    fields = msgpack.unpackb(signed, raw=False)
+    fields[4] = {"name": "tower", "gpus": ["all mine"]}
+    tampered = msgpack.packb([msgpack.packb(fields, use_bin_type=True), signature], use_bin_type=True)
+    with pytest.raises(DocumentError):
+        open_document(tampered, verify, node_id_of)
+
+
+@given(st.binary(max_size=2000))
+def test_any_bytes_are_a_document_or_a_document_error(data: bytes) -> None:
+    try:
+        open_document(data, verify, node_id_of)
+    except DocumentError:
+        pass
+
+
+@given(st.data())
+def test_a_cut_or_altered_document_is_a_document_error(data: st.DataObject) -> None:
+    good = bytearray(sign_document(document(), KEY.sign))
+    if data.draw(st.booleans()):
+        good = good[: data.draw(st.integers(0, len(good) - 1))]
+    else:
+        at = data.draw(st.integers(0, len(good) - 1))
+        good[at] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(DocumentError):
+        open_document(bytes(good), verify, node_id_of)
+
+
+def test_the_highest_generation_then_version_wins() -> None:
+    view = ClusterView()
+    assert view.apply(document(1, 5), now=10.0)
+    assert not view.apply(document(1, 4), now=11.0)
+    assert not view.apply(document(1, 5), now=11.0)
+    assert view.apply(document(2, 1), now=12.0)  # a restarted node starts a new generation at version 1
+    assert view.knows(NODE) == (2, 1)
+
+
+def test_age_is_measured_on_the_receivers_clock_not_the_senders() -> None:
+    view = ClusterView()
+    from_the_future = NodeDocument(NODE, 1, 1, 9_999_999_999.0, {"name": "tower"}, raw(KEY))
+    view.apply(from_the_future, now=100.0)
+    assert view.age(NODE, now=103.5) == 3.5
+    assert view.age("n-unknown", now=103.5) is None
+
+
+def test_a_new_version_is_published_only_on_change_and_at_most_once_a_second() -> None:
+    publisher = Publisher(NODE, generation=3, public_key=raw(KEY))
+    first = publisher.next({"leased": 1}, now=0.0)
+    assert first is not None
+    assert first.order == (3, 1)
+    assert publisher.next({"leased": 1}, now=5.0) is None  # nothing changed
+    assert publisher.next({"leased": 2}, now=5.5) is not None
+    assert publisher.next({"leased": 3}, now=6.0) is None  # too soon after the last
+    later = publisher.next({"leased": 3}, now=6.6)
+    assert later is not None
+    assert later.order == (3, 3)
+
+
+def test_the_summary_rounds_figures_and_names_external_processes() -> None:
+    node = {
+        "node": {"id": NODE, "name": "tower", "version": "0.1.0", "production_eligible": True},
+        "gpus": [
+            {
+                "index": 0, "uuid": "GPU-0", "name": "RTX 4090", "pressure": False,
+                "figures": {"total": 24 * GIB, "external": 6 * GIB + 5, "leased": 0},
+                "processes": [
+                    {"pid": 1, "name": "ollama", "bytes": 4 * GIB, "lease": None},
+                    {"pid": 2, "name": "ollama", "bytes": 2 * GIB, "lease": None},
+                    {"pid": 3, "name": "python", "bytes": GIB, "lease": "l-1"},
+                ],
+            }
+        ],
+        "cpu": {"cores": 16, "leased": 0, "schedulable": 16},
+        "memory": {"total": 64 * GIB + 3, "leased": 0, "schedulable": 64 * GIB + 3},
+        "queue": {"background": 2},
+    }  # fmt: skip
+    leases = [
+        {"id": "l-1", "state": "granted", "holder": {"name": "train"}, "priority": "background",
+         "gpus": [{"index": 0, "bytes": GIB}], "expires_at": "2026-11-30T10:00:00.000Z"},
+        {"id": "l-2", "state": "queued", "holder": {"name": "later"}, "priority": "background"},
+    ]  # fmt: skip
+    body = summarize(node, leases)
+    gpu = body["gpus"][0]
+    assert gpu["figures"]["external"] == 6 * GIB
+    assert gpu["figures"]["external"] % ROUNDING == 0
+    assert gpu["external"] == {"ollama": 6 * GIB}
+    assert body["leases"] == [
+        {"id": "l-1", "holder": "train", "priority": "background", "gpus": [[0, GIB]], "expires_at": "2026-11-30T10:00:00.000Z"}
+    ]
+    assert body["queue"] == {"background": 2}
+    assert body["memory"]["total"] == 64 * GIB
