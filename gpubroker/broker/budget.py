@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpubroker.broker.lease import Lease
@@ -41,14 +41,40 @@ class AttributedProcess:
     lease: str | None  # None: external
 
 
+@dataclass(slots=True)
+class GpuLeases:
+    """The live leases on one accelerator, kept up to date as leases come and go (no walk over all leases)."""
+
+    held: dict[str, tuple[Lease, int]] = field(default_factory=dict)  # id -> (lease, bytes declared here)
+    declared: int = 0
+    exclusive: str | None = None
+
+    def add(self, lease: Lease, size: int) -> None:
+        self.held[lease.id] = (lease, size)
+        self.declared += size
+        if lease.exclusive:
+            self.exclusive = lease.id
+
+    def remove(self, lease_id: str) -> None:
+        entry = self.held.pop(lease_id, None)
+        if entry is not None:
+            self.declared -= entry[1]
+            if self.exclusive == lease_id:
+                self.exclusive = None
+
+
 @dataclass(frozen=True, slots=True)
 class Budget:
     reading: GpuReading
     figures: Figures
     unattributed: int | None  # external that no process list explains; None when unmeasured
     processes: tuple[AttributedProcess, ...]
-    usage: dict[str, int]  # observed bytes per live lease on this accelerator
-    leases: tuple[Lease, ...]
+    usage: dict[str, int]  # observed bytes per lease whose processes use memory here
+    held: GpuLeases
+
+    @property
+    def leases(self) -> list[Lease]:
+        return [lease for lease, _ in self.held.held.values()]
 
     @property
     def pressure(self) -> bool:
@@ -56,7 +82,7 @@ class Budget:
 
     @property
     def exclusive_holder(self) -> str | None:
-        return next((lease.id for lease in self.leases if lease.exclusive), None)
+        return self.held.exclusive
 
     def label(self) -> str:
         name = self.reading.name.replace("NVIDIA ", "").replace("GeForce ", "")
@@ -102,28 +128,35 @@ def belongs_to(process: GpuProcess, lease: Lease) -> bool:
     return process.pgid is not None and process.pgid in lease.pgids
 
 
-def compute_budgets(readings: Iterable[GpuReading], leases: Iterable[Lease], reserve: int) -> list[Budget]:
-    """Every accelerator's budget: the live leases are grouped by GPU in one pass."""
-    by_index: dict[int, list[tuple[Lease, int]]] = {}
+def index_leases(leases: Iterable[Lease]) -> dict[int, GpuLeases]:
+    """The live leases grouped by accelerator index, in one pass."""
+    by_index: dict[int, GpuLeases] = {}
     for lease in leases:
         if lease.live:
             for gpu in lease.gpus:
-                by_index.setdefault(gpu.index, []).append((lease, gpu.bytes))
-    return [compute_budget(reading, by_index.get(reading.index, ()), reserve) for reading in readings]
+                by_index.setdefault(gpu.index, GpuLeases()).add(lease, gpu.bytes)
+    return by_index
 
 
-def compute_budget(reading: GpuReading, mine: Sequence[tuple[Lease, int]], reserve: int) -> Budget:
-    """The seven figures of one accelerator from one reading and the live leases on it, with what each declared there."""
-    usage = {lease.id: 0 for lease, _ in mine}
+def compute_budgets(readings: Iterable[GpuReading], by_index: dict[int, GpuLeases], reserve: int) -> list[Budget]:
+    return [compute_budget(reading, by_index.get(reading.index) or GpuLeases(), reserve) for reading in readings]
+
+
+def compute_budget(reading: GpuReading, held: GpuLeases, reserve: int) -> Budget:
+    """The seven figures of one accelerator from one reading and the live leases on it."""
+    usage: dict[str, int] = {}
+    excess = 0  # what leases' processes use beyond what they declared: a lease counts what it uses
     attributed: list[AttributedProcess] = []
     for process in reading.processes or ():
-        owner = next((lease.id for lease, _ in mine if belongs_to(process, lease)), None)
-        attributed.append(AttributedProcess(process, owner))
+        owner = next((entry for entry in held.held.values() if belongs_to(process, entry[0])), None)
+        attributed.append(AttributedProcess(process, owner[0].id if owner else None))
         if owner is not None and process.bytes:
-            usage[owner] += process.bytes
+            usage[owner[0].id] = usage.get(owner[0].id, 0) + process.bytes
+    for lease_id, used in usage.items():
+        excess += max(0, used - held.held[lease_id][1])
     observed = reading.used
     external = max(0, observed - sum(usage.values()))
-    leased = sum(max(declared, usage[lease.id]) for lease, declared in mine)
+    leased = held.declared + excess
     schedulable = max(0, reading.total - external - leased - reserve)
     unattributed: int | None
     if reading.processes is None:
@@ -134,13 +167,13 @@ def compute_budget(reading: GpuReading, mine: Sequence[tuple[Lease, int]], reser
         listed = sum(p.process.bytes or 0 for p in attributed if p.lease is None)
         unattributed = max(0, external - listed)
     figures = Figures(reading.total, observed, external, 0, leased, reserve, schedulable)
-    return Budget(reading, figures, unattributed, tuple(attributed), usage, tuple(lease for lease, _ in mine))
+    return Budget(reading, figures, unattributed, tuple(attributed), usage, held)
 
 
 def over_declared(budget: Budget) -> list[tuple[Lease, int]]:
     """Leases whose processes use more than 110% of what they declared, with what they use."""
     return [
-        (lease, budget.usage[lease.id])
-        for lease in budget.leases
-        if budget.usage[lease.id] > OVER_DECLARED_RATIO * lease.bytes_on(budget.reading.index)
+        (budget.held.held[lease_id][0], used)
+        for lease_id, used in budget.usage.items()
+        if used > OVER_DECLARED_RATIO * budget.held.held[lease_id][1]
     ]

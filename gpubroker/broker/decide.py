@@ -43,7 +43,7 @@ def _room(request: LeaseRequest, budget: Budget) -> int | None:
     if budget.exclusive_holder is not None:
         return None
     if request.exclusive:
-        if budget.leases:
+        if budget.held.held:
             return None
         room = budget.figures.total - budget.figures.external - budget.figures.resident - budget.figures.reserve
         return room if room > 0 and room >= request.gpu_memory else None

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from gpubroker import __version__
 from gpubroker.broker import holders
-from gpubroker.broker.budget import Budget, compute_budgets, over_declared
+from gpubroker.broker.budget import Budget, GpuLeases, compute_budgets, index_leases, over_declared
 from gpubroker.broker.decide import HostBudget, Placement, candidates, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token
 from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeError, sample_host
@@ -128,6 +128,7 @@ class Broker:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch: holders.HolderWatch | None = None
         self._budgets: list[Budget] | None = None
+        self._on_gpu: dict[int, GpuLeases] = {}  # the live leases by accelerator, kept as they come and go
 
     # ----- start and stop -------------------------------------------------
 
@@ -146,7 +147,7 @@ class Broker:
             self._saw_epochs(lease)
         for record in loaded.leases:
             lease = Lease.from_record(record)
-            self.leases[lease.id] = lease
+            self._hold(lease)
             self._saw_epochs(lease)
         self._watch = holders.HolderWatch(asyncio.get_running_loop())
         self.store.start()
@@ -295,12 +296,26 @@ class Broker:
     def budgets(self) -> list[Budget]:
         """Every accelerator's budget, computed once per change of readings or leases."""
         if self._budgets is None:
-            self._budgets = compute_budgets(self.readings, self.leases.values(), self.config.reserve)
+            self._budgets = compute_budgets(self.readings, self._on_gpu, self.config.reserve)
         return self._budgets
 
     def _changed(self) -> None:
         """Readings or leases changed: the budgets must be computed again."""
         self._budgets = None
+
+    def _hold(self, lease: Lease) -> None:
+        self.leases[lease.id] = lease
+        for gpu in lease.gpus:
+            self._on_gpu.setdefault(gpu.index, GpuLeases()).add(lease, gpu.bytes)
+        self._changed()
+
+    def _unhold(self, lease: Lease) -> None:
+        self.leases.pop(lease.id, None)
+        for gpu in lease.gpus:
+            held = self._on_gpu.get(gpu.index)
+            if held is not None:
+                held.remove(lease.id)
+        self._changed()
 
     def host_budget(self) -> HostBudget:
         cores = sum(lease.cpu_cores for lease in self.leases.values())
@@ -434,7 +449,7 @@ class Broker:
         """Whether the request cannot fit by its deadline even if every lease that may end by then does."""
         assert request.deadline is not None
         staying = [lease for lease in self.leases.values() if lease.preemption == "never" and lease.expires_at > request.deadline]
-        budgets = compute_budgets(self.readings, staying, self.config.reserve)
+        budgets = compute_budgets(self.readings, index_leases(staying), self.config.reserve)
         return isinstance(self._place(request, set(), budgets), Refusal)
 
     def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
@@ -486,8 +501,7 @@ class Broker:
             expires_at=now + ttl,
             ttl=ttl,
         )
-        self.leases[lease.id] = lease
-        self._changed()
+        self._hold(lease)
         waiter.lease = lease
         where = ", ".join(f"GPU {g.index} {gib(g.bytes)} GiB epoch {g.epoch}" for g in gpus) or "no GPU"
         writes = [
@@ -508,8 +522,7 @@ class Broker:
         if lease.bind == "caller" and holder.pid is not None:
             assert self._watch is not None
             if not self._watch.watch(lease.id, holder.pid, holder.start_time, self._holder_exited):
-                del self.leases[lease.id]
-                self._changed()
+                self._unhold(lease)
                 raise InvalidRequest(f"holder pid {holder.pid} exited before its lease could be granted", {"field": "holder"})
         return lease, token, writes
 
@@ -540,8 +553,7 @@ class Broker:
 
     def _rollback(self, lease: Lease) -> None:
         """A grant that could not be made durable never happened (its epochs stay used: they only grow)."""
-        self.leases.pop(lease.id, None)
-        self._changed()
+        self._unhold(lease)
         if self._watch is not None:
             self._watch.unwatch(lease.id)
         self._scan()
@@ -741,8 +753,7 @@ class Broker:
                     pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
                     self._reclaims.append(_Reclaim(lease.id, gpu.index, pids, now))
         lease.state, lease.ended_at, lease.reason = state, now, reason
-        del self.leases[lease.id]
-        self._changed()
+        self._unhold(lease)
         self.over_declared_ids.discard(lease.id)
         if self._watch is not None:
             self._watch.unwatch(lease.id)
