@@ -39,8 +39,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             socket=args.socket,
             simulate_gpus=args.simulate_gpus,
             name=args.name,
+            gossip=args.gossip,
+            advertise=args.advertise,
+            peers=args.peer or None,
+            mdns=False if args.no_mdns else None,
         )
-        return daemon.run(config)
+        return daemon.run(config, join=args.join)
     except (ConfigError, ProbeError) as error:
         print(f"gpubroker: {error}", file=sys.stderr)
         return 2
@@ -311,6 +315,67 @@ def cmd_events(args: argparse.Namespace) -> int:
         time.sleep(1.0)
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    """Create this node's identity and a new cluster, offline, in the state directory."""
+    from gpubroker.gossip.cluster import ClusterError, ClusterState
+    from gpubroker.gossip.identity import Identity
+    from gpubroker.gossip.keyring import cluster_hash
+
+    try:
+        config = load_config(Path(args.config) if args.config else None, state_dir=args.state, name=args.name)
+        identity = Identity.load_or_create(config.state_dir)
+        cluster = ClusterState.init(config.state_dir, identity, config.name)
+    except (ConfigError, ClusterError) as error:
+        print(f"gpubroker: {error}", file=sys.stderr)
+        return 2
+    print(f"cluster {cluster_hash(cluster.cluster_id)} created; this node is {identity.node_id} ({config.name})")
+    print("start it with `gpubroker up`, then `gpubroker invite` prints a join token for the next node")
+    return 0
+
+
+def cmd_invite(args: argparse.Namespace) -> int:
+    print(Client().call("POST", "/v1/cluster/invites", {"ttl": args.ttl})["token"])
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    client = Client()
+    if args.action == "remove":
+        if not args.id:
+            raise SystemExit("gpubroker: nodes remove needs a node id")
+        answer = client.call("DELETE", f"/v1/cluster/nodes/{args.id}")
+    else:
+        answer = client.call("GET", "/v1/cluster/nodes")
+    if args.json:
+        _print_json(answer)
+        return 0
+    for member in answer["members"]:
+        print(f"{member['id']}  {member['name'] or '-':20} {member['state']:8} admitted by {member['admitted_by'] or '-'}")
+    for pending in answer["pending"]:
+        print(f"{pending['id']}  {pending['name'] or '-':20} pending  from {pending['addr']}")
+    for removed in answer["removed"]:
+        print(f"{removed}  removed")
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    client = Client()
+    if args.action == "list":
+        answer = client.call("GET", "/v1/cluster/keys")
+    elif args.action == "install":
+        answer = client.call("POST", "/v1/cluster/keys", {"install": args.key})
+    elif not args.key:
+        raise SystemExit(f"gpubroker: keys {args.action} needs a key id")
+    else:
+        answer = client.call("POST", "/v1/cluster/keys", {args.action: args.key})
+    if args.json:
+        _print_json(answer)
+    else:
+        for key in answer["keys"]:
+            print(f"{key['id']}{'  (primary: seals datagrams)' if key['primary'] else ''}")
+    return 0
+
+
 def cmd_self_check(args: argparse.Namespace) -> int:
     from gpubroker.selfcheck import self_check
 
@@ -329,7 +394,34 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--config", metavar="FILE", help="TOML configuration file")
     up.add_argument("--simulate-gpus", metavar="SPEC|FILE", help="simulated GPUs: 2x24GiB,1x12GiB or a TOML file")
     up.add_argument("--name", help="this node's name (default: the hostname)")
+    up.add_argument("--gossip", metavar="HOST:PORT", help="where the mesh listens, UDP and TCP (default 0.0.0.0:9741)")
+    up.add_argument("--advertise", metavar="HOST", help="the address peers should use to reach this node")
+    up.add_argument("--peer", action="append", metavar="HOST:PORT", help="a seed member's gossip address (repeatable)")
+    up.add_argument("--join", metavar="TOKEN", help="join a cluster with a token from `gpubroker invite`")
+    up.add_argument("--no-mdns", action="store_true", help="do not look for peers by mDNS")
     up.set_defaults(run=cmd_up)
+
+    init = sub.add_parser("init", help="create this node's identity and a new cluster (once, on the first node)")
+    init.add_argument("--state", metavar="DIR")
+    init.add_argument("--config", metavar="FILE")
+    init.add_argument("--name")
+    init.set_defaults(run=cmd_init)
+
+    invite = sub.add_parser("invite", help="print a one-time join token for a new node (asks the running broker)")
+    invite.add_argument("--ttl", default="1h", metavar="DURATION", help="how long the token is valid (default 1h)")
+    invite.set_defaults(run=cmd_invite)
+
+    nodes = sub.add_parser("nodes", help="the cluster's members: list, or remove ID")
+    nodes.add_argument("action", choices=("list", "remove"))
+    nodes.add_argument("id", nargs="?")
+    nodes.add_argument("--json", action="store_true")
+    nodes.set_defaults(run=cmd_nodes)
+
+    keys = sub.add_parser("keys", help="the gossip keyring: list, install [KEY], use ID, remove ID")
+    keys.add_argument("action", choices=("list", "install", "use", "remove"))
+    keys.add_argument("key", nargs="?", help="a base64 key to install (default: a new one), or a key id")
+    keys.add_argument("--json", action="store_true")
+    keys.set_defaults(run=cmd_keys)
 
     status = sub.add_parser("status", help="this node at a glance")
     status.add_argument("--json", action="store_true")

@@ -78,6 +78,18 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _peers(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{value!r} is not a list of HOST:PORT")
+    return tuple(_host_port(v) for v in value)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -1000 <= value <= 1000:
+        raise ValueError(f"{value!r} is not an integer from -1000 to 1000")
+    return value
+
+
 def _hosts(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(h, str) for h in value):
         raise ValueError(f"{value!r} is not a list of host names")
@@ -115,6 +127,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("events_kept", 10_000, "events kept in the store; older ones are dropped", _positive_int),
     Setting("leases_kept", 1_000, "ended leases kept in the store for `leases --state released`", _positive_int),
     Setting("store_size", 2**30, "the most the LMDB store may grow to; when full, requests fail with STORE_FULL", parse_size),
+    Setting("gossip", "0.0.0.0:9741", "where the mesh listens, UDP and TCP (once this node belongs to a cluster)", _host_port),
+    Setting("advertise", None, "the address peers should use to reach this node (default: the first non-loopback IPv4 address)", str),
+    Setting("peers", (), "seed addresses HOST:PORT of other members, for networks where mDNS does not pass", _peers),
+    Setting("coordinator_priority", 0, "lower is preferred when the mesh chooses its coordinator", _int),
+    Setting("mdns", True, "find peers on the LAN by mDNS", _bool),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -139,6 +156,11 @@ class Config:
     events_kept: int = 10_000
     leases_kept: int = 1_000
     store_size: int = 2**30
+    gossip: str = "0.0.0.0:9741"
+    advertise: str | None = None
+    peers: tuple[str, ...] = ()
+    coordinator_priority: int = 0
+    mdns: bool = True
     stamps: tuple[Stamp, ...] = ()
 
     @property

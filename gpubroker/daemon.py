@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 from aiohttp import web
 
 from gpubroker.broker.nvml import NvmlProbe
@@ -19,6 +20,11 @@ from gpubroker.broker.probes import GpuProbe, SimulatedProbe
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
+from gpubroker.gossip.cluster import ClusterError, ClusterState, decode_token
+from gpubroker.gossip.identity import Identity
+from gpubroker.gossip.keyring import cluster_hash
+from gpubroker.gossip.mesh import Mesh, MeshSettings, join_cluster
+from gpubroker.gossip.transport import PeerError
 from gpubroker.ui.api import make_app
 
 
@@ -58,13 +64,62 @@ def _free_socket(path: Path) -> None:
     raise StartError(f"another broker answers on {path}; stop it or give --socket")
 
 
-async def serve(config: Config, probe: GpuProbe | None = None, on_ready: Callable[[Broker], None] | None = None) -> None:
-    """Run the broker until cancelled; closing is idempotent and leaves the store consistent."""
+def _addr(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def default_advertise() -> str:
+    """The first non-loopback IPv4 address of this host, else loopback."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return str(address.address)
+    return "127.0.0.1"
+
+
+async def _make_mesh(config: Config, broker: Broker, identity: Identity, join: str | None) -> Mesh | None:
+    """The mesh if this node belongs to a cluster (or joins one now); None for a lone broker."""
+    seeds = tuple(_addr(p) for p in config.peers)
+    try:
+        cluster = ClusterState.load(config.state_dir)
+        if join is not None and cluster is None:
+            cluster = await join_cluster(join, identity, config.name, config.state_dir)
+            seeds += (decode_token(join).seed,)  # the member that admitted us is the first to talk to
+        elif join is not None:
+            raise StartError(
+                f"{config.state_dir} already belongs to cluster {cluster_hash(cluster.cluster_id) if cluster else '?'}; --join is for a new node"
+            )
+    except (ClusterError, PeerError) as error:
+        raise StartError(f"cannot join: {error}") from None
+    if cluster is None:
+        return None
+    settings = MeshSettings(
+        gossip=_addr(config.gossip),
+        advertise=config.advertise or default_advertise(),
+        peers=seeds,
+        priority=config.coordinator_priority,
+        mdns=config.mdns,
+    )
+    return Mesh(settings, broker, identity, cluster)
+
+
+async def serve(
+    config: Config, probe: GpuProbe | None = None, on_ready: Callable[[Broker], None] | None = None, join: str | None = None
+) -> None:
+    """Run the broker (and its mesh, in a cluster) until cancelled; closing is idempotent and leaves the store consistent."""
     lock = _lock_state(config.state_dir)
     try:
-        broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), probe or make_probe(config))
+        identity = Identity.load_or_create(config.state_dir)
+        store = Store(config.state_dir, config.store_size, config.events_kept)
+        broker = Broker(config, store, probe or make_probe(config), node_id=identity.node_id)
         await broker.start()
-        runner = web.AppRunner(make_app(broker), handler_cancellation=True, access_log=None)
+        try:
+            mesh = await _make_mesh(config, broker, identity, join)
+        except BaseException:
+            await broker.close()
+            raise
+        runner = web.AppRunner(make_app(broker, mesh), handler_cancellation=True, access_log=None)
         try:
             await runner.setup()
             sock_path = config.socket_path
@@ -78,7 +133,10 @@ async def serve(config: Config, probe: GpuProbe | None = None, on_ready: Callabl
                 raise StartError(f"cannot listen on {config.listen}: {error.strerror}; give --listen HOST:PORT") from None
             if on_ready is not None:
                 on_ready(broker)
-            await broker.run()
+            async with asyncio.TaskGroup() as group:
+                group.create_task(broker.run())
+                if mesh is not None:
+                    group.create_task(mesh.run())
         finally:
             await runner.cleanup()
             await broker.close()
@@ -88,7 +146,7 @@ async def serve(config: Config, probe: GpuProbe | None = None, on_ready: Callabl
         os.close(lock)
 
 
-def run(config: Config) -> int:
+def run(config: Config, join: str | None = None) -> int:
     """`gpubroker up`: run in the foreground until SIGINT or SIGTERM."""
 
     def ready(broker: Broker) -> None:
@@ -108,7 +166,7 @@ def run(config: Config) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await serve(config, on_ready=ready)
+            await serve(config, on_ready=ready, join=join)
 
     try:
         asyncio.run(main())

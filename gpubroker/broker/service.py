@@ -105,8 +105,9 @@ class Stats:
 
 
 class Broker:
-    def __init__(self, config: Config, store: Store, probe: GpuProbe, clock: Clock | None = None) -> None:
+    def __init__(self, config: Config, store: Store, probe: GpuProbe, clock: Clock | None = None, node_id: str | None = None) -> None:
         self.config = config
+        self._given_id = node_id  # the identity's id in a real broker; tests may leave it to the store
         self.store = store
         self.probe = probe
         self.clock: Clock = clock or SystemClock()
@@ -135,7 +136,7 @@ class Broker:
     async def start(self) -> None:
         """Load the store, take a first reading, and reconcile leases whose holders died meanwhile."""
         loaded = self.store.load()
-        self.node_id = loaded.meta.get("node_id") or f"n-{secrets.token_hex(6)}"
+        self.node_id = self._given_id or loaded.meta.get("node_id") or f"n-{secrets.token_hex(6)}"
         self._event_seq = loaded.last_event
         epochs = loaded.meta.get("epochs", {})
         self._lease_epoch = int(epochs.get("lease", 0))
@@ -855,6 +856,10 @@ class Broker:
         if gpu is not None:
             event["gpu"] = gpu
         return Write("events", seq_key(self._event_seq), event)
+
+    def record_event(self, type_: str, message: str, *, details: dict[str, Any] | None = None, code: FailureCode | None = None) -> None:
+        """An event from outside the broker (the mesh), kept and served with the broker's own."""
+        self._record(self._event(type_, message, code=code, details=details))
 
     def _record(self, *writes: Write) -> None:
         """Events with nobody waiting on them: they ride the next commit."""

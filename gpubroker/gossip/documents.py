@@ -18,6 +18,7 @@ import msgpack
 
 ROUNDING = 64 * 2**20  # figures are published to the nearest 64 MiB: finer changes are noise, not news
 MIN_INTERVAL = 1.0  # seconds between two versions of a document, at least
+MAX_INTERVAL = 10.0  # a document is made again after this even unchanged, so every view's age stays bounded
 MAX_DOCUMENT = 256 * 2**10  # bytes; more is refused before it is parsed
 
 Sign = Callable[[bytes], bytes]
@@ -177,8 +178,9 @@ class Publisher:
     last_made: float = float("-inf")
 
     def next(self, body: dict[str, Any], now: float) -> NodeDocument | None:
-        """A new document if the body changed and the last one is old enough; else None."""
-        if body == self.last_body or now - self.last_made < MIN_INTERVAL:
+        """A new document if the body changed and the last one is old enough, or if the last is MAX_INTERVAL old."""
+        since = now - self.last_made
+        if since < MIN_INTERVAL or (body == self.last_body and since < MAX_INTERVAL):
             return None
         self.version += 1
         self.last_body, self.last_made = body, now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable
@@ -14,7 +15,8 @@ from gpubroker.broker.lease import ENDED, LIVE
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.config import Config
-from gpubroker.errors import BrokerError, Forbidden, InvalidRequest, NotFound
+from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal
+from gpubroker.gossip.mesh import Mesh
 from gpubroker.ui.metrics import Metrics
 from gpubroker.ui.openapi import OPENAPI
 from gpubroker.units import UnitError, parse_duration
@@ -23,7 +25,9 @@ BROKER = web.AppKey("broker", Broker)
 CONFIG = web.AppKey("config", Config)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG_HOSTS = web.AppKey("allowed_hosts", frozenset)
+MESH: web.AppKey[Mesh | None] = web.AppKey("mesh")
 STATES = ("queued", LIVE, *ENDED)
+ROOM_CODES = (FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, FailureCode.EXTERNAL_GPU_PRESSURE, FailureCode.LEASE_CONFLICT)
 _PEERCRED = struct.Struct("3i")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -119,7 +123,14 @@ def _token(request: web.Request) -> str | None:
 async def create_lease(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     lease_request = parse_request(await _json_body(request))
-    lease, token = await broker.request(lease_request, _caller(request))
+    try:
+        lease, token = await broker.request(lease_request, _caller(request))
+    except Refusal as refusal:
+        mesh = request.app[MESH]
+        if mesh is not None and refusal.code in ROOM_CODES and lease_request.wants_gpus:
+            # A hint, never a decision: where the documents show room now, with how fresh each is.
+            refusal.details["elsewhere"] = mesh.elsewhere(lease_request.gpu_memory, lease_request.gpus)
+        raise
     return web.json_response({"lease": lease.to_json(token)}, status=201)
 
 
@@ -173,11 +184,66 @@ async def node(request: web.Request) -> web.Response:
 
 
 async def cluster(request: web.Request) -> web.Response:
-    """Until the mesh exists, the cluster is this node alone."""
+    """Every node the mesh knows; a broker in no cluster is a cluster of one."""
+    mesh = request.app[MESH]
+    if mesh is not None:
+        return web.json_response(mesh.cluster_json())
     broker = request.app[BROKER]
-    return web.json_response(
-        {"nodes": [{**broker.node_json(), "state": "alive", "age": 0.0}], "coordinator": {"id": broker.node_id, "epoch": 0}}
-    )
+    alone = {"id": broker.node_id, "name": broker.config.name, "state": "alive", "self": True, "age": 0.0, **broker.node_json()}
+    return web.json_response({"nodes": [alone], "coordinator": {"id": broker.node_id, "epoch": 0}})
+
+
+def _admin(request: web.Request) -> None:
+    """Changing the cluster takes root or the broker's own Unix user, on the socket."""
+    caller = _caller(request)
+    if caller.uid is None or caller.uid not in (0, os.geteuid()):
+        raise Forbidden("changing the cluster takes root or the broker's own user, on the Unix socket")
+
+
+def _mesh(request: web.Request) -> Mesh:
+    mesh: Mesh | None = request.app[MESH]
+    if mesh is None:
+        raise Refusal(
+            FailureCode.CAPABILITY_UNAVAILABLE,
+            "this node belongs to no cluster: run `gpubroker init` first, or `gpubroker up --join TOKEN`",
+            {},
+        )
+    return mesh
+
+
+async def create_invite(request: web.Request) -> web.Response:
+    _admin(request)
+    mesh = _mesh(request)
+    body = await _json_body(request, optional=True)
+    if not isinstance(body, dict) or set(body) - {"ttl"}:
+        raise InvalidRequest('an invite is an empty body or {"ttl": DURATION}')
+    try:
+        ttl = parse_duration(body.get("ttl") or "1h")
+    except UnitError as error:
+        raise InvalidRequest(f"ttl: {error}", {"field": "ttl"}) from None
+    return web.json_response({"token": mesh.invite(ttl)}, status=201)
+
+
+async def list_nodes(request: web.Request) -> web.Response:
+    return web.json_response(_mesh(request).nodes_json())
+
+
+async def remove_node(request: web.Request) -> web.Response:
+    _admin(request)
+    return web.json_response(_mesh(request).remove(request.match_info["id"]))
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    _admin(request)
+    return web.json_response(_mesh(request).keys_json())
+
+
+async def change_keys(request: web.Request) -> web.Response:
+    _admin(request)
+    body = await _json_body(request, optional=True)
+    if not isinstance(body, dict) or set(body) - {"install", "use", "remove"} or len(body) != 1:
+        raise InvalidRequest('a key change is {"install": KEY or null}, {"use": KEY_ID} or {"remove": KEY_ID}')
+    return web.json_response(_mesh(request).change_keys(body))
 
 
 async def events(request: web.Request) -> web.Response:
@@ -200,13 +266,14 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(OPENAPI)
 
 
-def make_app(broker: Broker) -> web.Application:
+def make_app(broker: Broker, mesh: Mesh | None = None) -> web.Application:
     config = broker.config
     app = web.Application(middlewares=[api_middleware], client_max_size=config.max_body)
     app[BROKER] = broker
     app[CONFIG] = config
     app[CONFIG_HOSTS] = _allowed_hosts(config)
     app[METRICS] = Metrics(broker)
+    app[MESH] = mesh
     app.router.add_post("/v1/leases", create_lease)
     app.router.add_get("/v1/leases", list_leases)
     app.router.add_get("/v1/leases/{id}", get_lease)
@@ -215,6 +282,11 @@ def make_app(broker: Broker) -> web.Application:
     app.router.add_post("/v1/leases/{id}/processes", add_process_group)
     app.router.add_get("/v1/node", node)
     app.router.add_get("/v1/cluster", cluster)
+    app.router.add_post("/v1/cluster/invites", create_invite)
+    app.router.add_get("/v1/cluster/nodes", list_nodes)
+    app.router.add_delete("/v1/cluster/nodes/{id}", remove_node)
+    app.router.add_get("/v1/cluster/keys", list_keys)
+    app.router.add_post("/v1/cluster/keys", change_keys)
     app.router.add_get("/v1/events", events)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)

@@ -118,6 +118,77 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": _json({"type": "object", "required": ["nodes"]}, "every node the mesh knows")},
             }
         },
+        "/v1/cluster/invites": {
+            "post": {
+                "operationId": "createInvite",
+                "summary": "a one-time join token naming this node as the seed (root or the broker's user, on the socket)",
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {"schema": {"type": "object", "additionalProperties": False, "properties": {"ttl": _DURATION}}}
+                    },
+                },
+                "responses": {
+                    "201": _json({"type": "object", "required": ["token"], "properties": {"token": {"type": "string"}}}, "a token"),
+                    **_error_responses(400, 403, 409, 413),
+                },
+            }
+        },
+        "/v1/cluster/nodes": {
+            "get": {
+                "operationId": "listNodes",
+                "responses": {
+                    "200": _json({"type": "object", "required": ["members", "pending", "removed"]}, "the cluster's members"),
+                    **_error_responses(409),
+                },
+            }
+        },
+        "/v1/cluster/nodes/{id}": {
+            "delete": {
+                "operationId": "removeNode",
+                "summary": "remove a member: its certificate is refused from its next connection on",
+                "parameters": [_ID],
+                "responses": {
+                    "200": _json({"type": "object", "required": ["members"]}, "the members left"),
+                    **_error_responses(403, 404, 409),
+                },
+            }
+        },
+        "/v1/cluster/keys": {
+            "get": {
+                "operationId": "listKeys",
+                "responses": {
+                    "200": _json({"type": "object", "required": ["keys"]}, "the keyring's key ids"),
+                    **_error_responses(403, 409),
+                },
+            },
+            "post": {
+                "operationId": "changeKeys",
+                "summary": "install a key (null: a new one), use one to seal, or remove one",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "minProperties": 1,
+                                "maxProperties": 1,
+                                "properties": {
+                                    "install": {"type": "string", "nullable": True},
+                                    "use": {"type": "string"},
+                                    "remove": {"type": "string"},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json({"type": "object", "required": ["keys"]}, "the keyring's key ids"),
+                    **_error_responses(400, 403, 409, 413),
+                },
+            },
+        },
         "/v1/events": {
             "get": {
                 "operationId": "listEvents",

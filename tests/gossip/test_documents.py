@@ -161,3 +161,12 @@ def test_the_summary_rounds_figures_and_names_external_processes() -> None:
     ]
     assert body["queue"] == {"background": 2}
     assert body["memory"]["total"] == 64 * GIB
+
+
+def test_an_unchanged_document_is_made_again_after_ten_seconds_so_its_age_stays_bounded() -> None:
+    publisher = Publisher(NODE, generation=1, public_key=raw(KEY))
+    assert publisher.next({"leased": 1}, now=0.0) is not None
+    assert publisher.next({"leased": 1}, now=9.9) is None
+    again = publisher.next({"leased": 1}, now=10.0)
+    assert again is not None
+    assert again.order == (1, 2)

@@ -1,0 +1,495 @@
+"""The mesh at run time: membership over encrypted UDP, documents and push-pull over mutual TLS, discovery.
+
+One `Mesh` per broker. It ticks the membership state machine, carries what it asks for on the
+two transports, publishes this node's document and fetches newer ones, works out the
+coordinator, and answers what peers ask over TCP. Gossip carries views, never decisions: only
+a GPU's own node grants on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from gpubroker.broker.service import Broker, Caller
+from gpubroker.errors import BrokerError, FailureCode
+from gpubroker.gossip import wire
+from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, decode_token, new_key_b64
+from gpubroker.gossip.coordinator import Candidate, Coordinator, choose, merge
+from gpubroker.gossip.discovery import Discovery, Sighting
+from gpubroker.gossip.documents import ClusterView, DocumentError, Publisher, open_document, sign_document, summarize
+from gpubroker.gossip.identity import Identity, node_id_of
+from gpubroker.gossip.keyring import cluster_hash
+from gpubroker.gossip.membership import Membership, MembershipConfig
+from gpubroker.gossip.messages import Addr, DocumentNotice, MemberState, Message, PushPull
+from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, call_for_join, call_member
+
+log = logging.getLogger(__name__)
+PUBLISH_EVERY = 0.5  # seconds between looks at our own figures; the Publisher keeps versions ≥ 1 s apart
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSettings:
+    gossip: Addr  # where UDP and TCP listen
+    advertise: str  # the address peers should use
+    peers: tuple[Addr, ...] = ()
+    priority: int = 0  # coordinator priority: lower is preferred
+    mdns: bool = True
+
+
+@dataclass(slots=True)
+class _Meta:
+    name: str
+    api: str
+    priority: int
+
+    def encode(self) -> bytes:
+        packed: bytes = msgpack.packb([self.name, self.api, self.priority])
+        return packed
+
+    @classmethod
+    def decode(cls, data: bytes) -> _Meta | None:
+        try:
+            name, api, priority = msgpack.unpackb(data, raw=False)
+            return cls(str(name), str(api), int(priority))
+        except Exception:  # a newer node's meta we cannot read: shown without it
+            return None
+
+
+async def join_cluster(token: str, identity: Identity, name: str, state_dir: Any) -> ClusterState:
+    """Redeem a join token at its seed over the join handshake, and keep what it grants."""
+    parsed = decode_token(token)
+    answer = await call_for_join(
+        parsed.seed, parsed.fingerprint, {"op": "join", "secret": parsed.secret, "cert": identity.certificate_pem().decode(), "name": name}
+    )
+    if "error" in answer:
+        raise ClusterError(f"the seed {parsed.seed[0]}:{parsed.seed[1]} refused to admit this node: {answer['error']}")
+    return ClusterState.adopt(state_dir, identity, name, JoinGrant.from_dict(answer["grant"]), token=parsed)
+
+
+@dataclass(slots=True)
+class Mesh:
+    settings: MeshSettings
+    broker: Broker
+    identity: Identity
+    cluster: ClusterState
+    clock: Callable[[], float] = time.time
+    view: ClusterView = field(default_factory=ClusterView)
+    coordinator: Coordinator | None = None
+    dropped_documents: int = 0
+    _membership: Membership | None = None
+    _datagrams: Datagrams | None = None
+    _server: PeerServer | None = None
+    _discovery: Discovery | None = None
+    _publisher: Publisher | None = None
+    _own_document: bytes = b""
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _removed: bool = False
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    @property
+    def membership(self) -> Membership:
+        assert self._membership is not None
+        return self._membership
+
+    async def run(self) -> None:
+        """Listen, join, and keep the mesh going until cancelled."""
+        generation = self.cluster.next_generation()
+        self._publisher = Publisher(self.node_id, generation, self.identity.public_key_bytes)
+        meta = _Meta(self.broker.config.name, self.broker.config.listen, self.settings.priority)
+        self._datagrams = await Datagrams.open(self.settings.gossip, self.cluster.keyring, self._on_datagram)
+        bound = self._datagrams.address
+        self._membership = Membership(
+            self.node_id,
+            (self.settings.advertise, bound[1]),
+            MembershipConfig(),
+            random.Random(),
+            incarnation=self.cluster.incarnation,
+            meta=meta.encode(),
+            size_of=lambda m: len(wire.encode(m)) - wire.HEADER_SIZE,
+        )
+        self._server = await PeerServer.start(
+            (self.settings.gossip[0], bound[1]), self.identity, self.cluster.members_der, self._on_request
+        )
+        try:
+            if self.settings.mdns:
+                self._discovery = Discovery(
+                    self.node_id, cluster_hash(self.cluster.cluster_id), self.settings.advertise, bound[1], self._sighted
+                )
+                await self._discovery.start()
+            seeds = [addr for addr in self.settings.peers]
+            self.membership.join(seeds)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._tick_loop())
+                group.create_task(self._publish_loop())
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._discovery is not None:
+            await self._discovery.close()
+            self._discovery = None
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+        if self._datagrams is not None:
+            self._datagrams.close()
+            self._datagrams = None
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----- driving the membership ----------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while not self._removed:
+            now = self.clock()
+            self.membership.tick(now)
+            self._drain(now)
+            wait = max(0.005, min(0.2, self.membership.next_deadline() - self.clock()))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    def _on_datagram(self, source: Addr, message: Message) -> None:
+        if self._membership is None:
+            return  # before the membership exists (the first instants of a start)
+        now = self.clock()
+        self.membership.receive(now, source, message)
+        self._drain(now)
+
+    def _drain(self, now: float) -> None:
+        """Carry out what the membership asked for."""
+        m = self.membership
+        if self._datagrams is not None:
+            by_addr: dict[Addr, list[Message]] = {}
+            for addr, message in m.outbox:
+                by_addr.setdefault(addr, []).append(message)
+            m.outbox.clear()
+            for addr, messages in by_addr.items():
+                self._datagrams.send(addr, messages)
+        for addr in m.push_pull_requests:
+            self._spawn(self._push_pull(addr))
+        m.push_pull_requests.clear()
+        for request in m.tcp_ping_requests:
+            self._spawn(self._tcp_ping(request))
+        m.tcp_ping_requests.clear()
+        for event in m.events:
+            self._member_event(str(event.kind), event.node)
+        m.events.clear()
+        for notice in m.notices:
+            self._spawn(self._fetch_document(notice))
+        m.notices.clear()
+        if self.cluster.incarnation != m.incarnation:
+            self.cluster.save_incarnation(m.incarnation)
+        self._elect()
+
+    def _member_event(self, kind: str, node: str) -> None:
+        if kind in ("dead", "left"):
+            self.broker.record_event(f"mesh.member.{kind}", f"node {self._name_of(node)} ({node}) is {kind}", details={"node": node})
+        elif kind in ("joined", "alive"):
+            self.broker.record_event(f"mesh.member.{kind}", f"node {self._name_of(node)} ({node}) is alive", details={"node": node})
+
+    def _others(self) -> list[Any]:
+        return [m for m in self.membership.members() if m.node != self.node_id]
+
+    def _name_of(self, node: str) -> str:
+        member = self.membership.member(node)
+        meta = _Meta.decode(member.meta) if member is not None else None
+        return meta.name if meta else node
+
+    def _elect(self) -> None:
+        candidates = {Candidate(self.settings.priority, self.node_id): MemberState.ALIVE}
+        for member in self._others():
+            meta = _Meta.decode(member.meta)
+            candidates[Candidate(meta.priority if meta else 0, member.node)] = member.state
+        chosen = choose(self.coordinator, candidates)
+        for document, _ in self.view.documents():
+            announced = document.body.get("coordinator")
+            if isinstance(announced, list) and len(announced) == 3:
+                with contextlib.suppress(TypeError, ValueError):
+                    theirs = Coordinator(str(announced[0]), int(announced[1]), int(announced[2]))
+                    if any(c.node == theirs.node and s.value in ("alive", "suspect") for c, s in candidates.items()):
+                        chosen = merge(chosen, theirs)
+        if chosen != self.coordinator and chosen is not None:
+            self.coordinator = chosen
+            self.broker.record_event(
+                "mesh.coordinator",
+                f"coordinator is {chosen.node} (epoch {chosen.epoch})",
+                details={"node": chosen.node, "epoch": chosen.epoch},
+            )
+
+    # ----- TCP: push-pull, pings, documents ----------------------------------
+
+    async def _call(self, addr: Addr, request: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            return await call_member(addr, self.identity, self.cluster.members_der(), request)
+        except PeerError as error:
+            log.debug("peer %s: %s", addr, error)
+            return None
+
+    async def _push_pull(self, addr: Addr) -> None:
+        ours = self.membership.push_pull_state()
+        answer = await self._call(addr, {"op": "push_pull", "state": wire.encode(ours), "cluster": self.cluster.export()})
+        if answer is None:
+            return
+        self._merge_cluster(answer.get("cluster"))
+        try:
+            remote = wire.decode(answer["state"])
+        except (KeyError, TypeError, wire.WireError):
+            return
+        if isinstance(remote, PushPull):
+            now = self.clock()
+            self.membership.push_pull_reply(now, addr, remote)
+            self._drain(now)
+
+    async def _tcp_ping(self, request: Any) -> None:
+        answer = await self._call(request.addr, {"op": "ping", "ping": wire.encode(request.ping)})
+        ok = bool(answer and answer.get("ack"))
+        now = self.clock()
+        self.membership.tcp_ping_result(now, request.node, ok)
+        self._drain(now)
+
+    async def _fetch_document(self, notice: DocumentNotice) -> None:
+        known = self.view.knows(notice.node)
+        if known is not None and known >= (notice.generation, notice.version):
+            return
+        member = self.membership.member(notice.node)
+        if member is None:
+            return
+        answer = await self._call(member.addr, {"op": "document", "node": notice.node})
+        if answer and isinstance(answer.get("document"), bytes):
+            self._take_document(answer["document"])
+
+    def _take_document(self, data: bytes) -> None:
+        try:
+            document = open_document(data, Identity.verify, node_id_of)
+        except DocumentError:
+            self.dropped_documents += 1
+            return
+        if document.node == self.node_id or document.node not in self.cluster.members:
+            return
+        self.view.apply(document, self.clock())
+
+    def _merge_cluster(self, remote: object) -> None:
+        if not isinstance(remote, dict):
+            return
+        changed = self.cluster.merge(remote, self.clock())
+        if changed and self._server is not None:
+            members = self.cluster.members_der()
+            for node in changed:
+                if node in members:
+                    self._server.trust(members[node])
+        if self.cluster.is_removed(self.node_id):
+            self.broker.record_event("mesh.removed", "this node was removed from its cluster; it stops gossiping", details={})
+            self._removed = True  # the mesh stops; the broker goes on alone
+
+    async def _on_request(self, peer: str | None, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if peer is None:
+            return self._join_request(request) if op == "join" else {"error": "members only"}
+        if op == "push_pull":
+            self._merge_cluster(request.get("cluster"))
+            try:
+                remote = wire.decode(request["state"])
+            except (KeyError, TypeError, wire.WireError):
+                return {"error": "not a push-pull"}
+            if not isinstance(remote, PushPull):
+                return {"error": "not a push-pull"}
+            now = self.clock()
+            ours = self.membership.push_pull_received(now, remote)
+            self._drain(now)
+            return {"state": wire.encode(ours), "cluster": self.cluster.export()}
+        if op == "ping":
+            try:
+                ping = wire.decode(request["ping"])
+            except (KeyError, TypeError, wire.WireError):
+                return {"error": "not a ping"}
+            ack = self.membership.answer_tcp_ping(ping)  # type: ignore[arg-type]
+            return {"ack": wire.encode(ack) if ack is not None else None}
+        if op == "document":
+            node = request.get("node")
+            if node == self.node_id:
+                return {"document": self._own_document}
+            return {"error": "only a node's own document is served by it"}
+        if op == "release":
+            return await self._forwarded_release(request)
+        return {"error": f"unknown op {op!r}"}
+
+    def _join_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            grant = self.cluster.redeem(
+                bytes(request["secret"]), str(request["cert"]), str(request.get("name", "")), self.clock(), self.node_id
+            )
+        except (ClusterError, KeyError, TypeError, ValueError) as error:
+            self.broker.record_event("mesh.join.refused", f"a join was refused: {error}", details={})
+            return {"error": str(error)}
+        if self._server is not None:
+            for der in self.cluster.members_der().values():
+                self._server.trust(der)
+        self.broker.record_event("mesh.join.admitted", f"node {request.get('name')} was admitted with a join token", details={})
+        return {"grant": grant.to_dict()}
+
+    async def _forwarded_release(self, request: dict[str, Any]) -> dict[str, Any]:
+        lease = request.get("lease")
+        token = request.get("token")
+        if not isinstance(lease, str) or not (token is None or isinstance(token, str)):
+            return {"error": "release needs a lease id"}
+        try:
+            released = await self.broker.release(lease, Caller("peer"), token)
+        except BrokerError as error:
+            return {"failure": error.to_json()}
+        return {"lease": released.to_json()}
+
+    # ----- publishing -----------------------------------------------------
+
+    async def _publish_loop(self) -> None:
+        while not self._removed:
+            self.publish()
+            await asyncio.sleep(PUBLISH_EVERY)
+
+    def publish(self) -> None:
+        assert self._publisher is not None
+        body = summarize(self.broker.node_json(), self.broker.list_leases("granted", 100_000))
+        if self.coordinator is not None:
+            body["coordinator"] = [self.coordinator.node, self.coordinator.priority, self.coordinator.epoch]
+        document = self._publisher.next(body, self.clock())
+        if document is None:
+            return
+        self._own_document = sign_document(document, self.identity.sign)
+        self.membership.broadcast(DocumentNotice(self.node_id, document.generation, document.version))
+        self._wake.set()
+
+    # ----- discovery --------------------------------------------------------
+
+    def _sighted(self, sighting: Sighting) -> None:
+        if sighting.cluster != cluster_hash(self.cluster.cluster_id) or sighting.node not in self.cluster.members:
+            return  # another cluster, or not admitted: mDNS only finds peers, it admits nobody
+        member = self.membership.member(sighting.node)
+        if member is None or member.state.value in ("dead", "left"):
+            self.membership.join([sighting.addr])
+            self._wake.set()
+
+    # ----- administration (the API checks who may) ---------------------------------
+
+    def invite(self, ttl: float) -> str:
+        """A one-time join token naming this node as the seed."""
+        port = self._datagrams.address[1] if self._datagrams else self.settings.gossip[1]
+        token = self.cluster.invite((self.settings.advertise, port), self.identity, ttl, self.clock())
+        self.broker.record_event("mesh.invite", f"a join token valid for {ttl:g}s was issued", details={"ttl": ttl})
+        return token
+
+    def nodes_json(self) -> dict[str, Any]:
+        states = {m.node: m.state.value for m in self.membership.members()} if self._membership else {}
+        members = [
+            {
+                "id": node,
+                "name": entry["name"],
+                "admitted_by": entry["admitted_by"],
+                "state": "self" if node == self.node_id else states.get(node, "unknown"),
+            }
+            for node, entry in sorted(self.cluster.members.items())
+        ]
+        pending = [{"id": p.node_id, "name": p.name, "addr": p.addr, "fingerprint": p.fingerprint} for p in self.cluster.pending_list()]
+        return {"members": members, "pending": pending, "removed": sorted(self.cluster.removed)}
+
+    def remove(self, node: str) -> dict[str, Any]:
+        """A removed member's certificate is refused from its next connection on, everywhere the removal reaches."""
+        try:
+            self.cluster.remove(node, self.clock())
+        except ClusterError as error:
+            raise BrokerError(
+                FailureCode.NOT_FOUND if "unknown" in str(error) else FailureCode.FORBIDDEN, str(error), {"node": node}
+            ) from None
+        self.view.forget(node)
+        self.broker.record_event("mesh.member.removed", f"node {node} was removed from the cluster", details={"node": node})
+        return self.nodes_json()
+
+    def keys_json(self) -> dict[str, Any]:
+        return {"keys": [{"id": key, "primary": primary} for key, primary in self.cluster.keys_list()]}
+
+    def change_keys(self, change: dict[str, Any]) -> dict[str, Any]:
+        try:
+            if "install" in change:
+                value = change["install"]
+                self.cluster.keys_install(value if isinstance(value, str) else new_key_b64())
+            elif "use" in change:
+                self.cluster.keys_use(str(change["use"]))
+            else:
+                self.cluster.keys_remove(str(change["remove"]))
+        except ClusterError as error:
+            raise BrokerError(FailureCode.INVALID_REQUEST, str(error), {}) from None
+        if self._datagrams is not None:
+            self._datagrams.keyring = self.cluster.keyring
+        return self.keys_json()
+
+    # ----- what the API shows ---------------------------------------------------
+
+    def elsewhere(self, need: int, gpus: int) -> list[dict[str, Any]]:
+        """Live peers whose documents show room for `gpus` GPUs of `need` bytes now, freshest first."""
+        now = self.clock()
+        found = []
+        for member in self._others():
+            held = self.view.held.get(member.node)
+            if held is None or member.state is not MemberState.ALIVE:
+                continue
+            roomy = [
+                g for g in held.document.body.get("gpus", []) if isinstance(g, dict) and g.get("figures", {}).get("schedulable", 0) >= need
+            ]
+            if len(roomy) >= max(1, gpus):
+                found.append(
+                    {
+                        "node": member.node,
+                        "name": held.document.body.get("name"),
+                        "age": round(now - held.received_at, 3),
+                        "gpus": [{"index": g.get("index"), "uuid": g.get("uuid"), "figures": g.get("figures")} for g in roomy],
+                    }
+                )
+        return sorted(found, key=lambda f: f["age"])
+
+    def cluster_json(self) -> dict[str, Any]:
+        now = self.clock()
+        nodes: list[dict[str, Any]] = [
+            {
+                "id": self.node_id,
+                "name": self.broker.config.name,
+                "state": "alive",
+                "self": True,
+                "incarnation": self.membership.incarnation,
+                "age": 0.0,
+                **self.broker.node_json(),
+            }
+        ]
+        for member in self._others():
+            meta = _Meta.decode(member.meta)
+            held = self.view.held.get(member.node)
+            entry: dict[str, Any] = {
+                "id": member.node,
+                "name": meta.name if meta else None,
+                "state": member.state.value,
+                "self": False,
+                "incarnation": member.incarnation,
+                "addr": f"{member.addr[0]}:{member.addr[1]}",
+                "age": self.view.age(member.node, now),
+            }
+            if held is not None:
+                entry["document"] = {"generation": held.document.generation, "version": held.document.version, **held.document.body}
+            nodes.append(entry)
+        coordinator = {"id": self.coordinator.node, "epoch": self.coordinator.epoch} if self.coordinator else None
+        return {"nodes": nodes, "coordinator": coordinator, "health": self.membership.health_score()}

@@ -1,0 +1,186 @@
+"""The mesh for real: brokers as separate processes in network namespaces on one bridge.
+
+Joined with tokens, discovered again by mDNS, killed, partitioned by taking a link down, healed.
+Times are measured and printed; the bounds asserted are the issue's, with room for a busy 2-core
+machine where it says so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import wait_for
+from netns import Lan, available
+
+from gpubroker.client import Client, ClientError, Endpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available(), reason="network namespaces need root and iproute2")]
+GIB = 2**30
+
+
+@dataclass
+class NsBroker:
+    lan: Lan
+    index: int
+    root: Path
+    gpus: str
+    proc: subprocess.Popen[str] | None = None
+
+    @property
+    def state(self) -> Path:
+        return self.root / f"state{self.index}"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / f"api{self.index}.sock"
+
+    @property
+    def client(self) -> Client:
+        return Client(Endpoint(f"unix:{self.socket}"), timeout=10)
+
+    def init(self) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "gpubroker", "init", "--state", str(self.state), "--name", f"node{self.index}"],
+            check=True,
+            capture_output=True,
+        )
+
+    def start(self, *extra: str) -> None:
+        argv = [
+            sys.executable, "-m", "gpubroker", "up", "--state", str(self.state), "--socket", str(self.socket),
+            "--listen", "127.0.0.1:9740", "--simulate-gpus", self.gpus, "--gossip", "0.0.0.0:9741",
+            "--advertise", self.lan.address(self.index), "--name", f"node{self.index}", *extra,
+        ]  # fmt: skip
+        log = open(self.root / f"log{self.index}", "a")  # noqa: SIM115 - kept open for the process's life
+        self.proc = self.lan.run(self.index, argv, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: self._ready(), timeout=20)
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError((self.root / f"log{self.index}").read_text())
+        try:
+            self.client.call("GET", "/healthz")
+        except ClientError:
+            return False
+        return True
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def cluster(self) -> dict[str, Any]:
+        answer: dict[str, Any] = self.client.call("GET", "/v1/cluster")
+        return answer
+
+    def sees(self) -> dict[str, str]:
+        """Node name → membership state, as this broker sees the cluster."""
+        return {n["name"]: n["state"] for n in self.cluster()["nodes"]}
+
+    def document_of(self, name: str) -> dict[str, Any] | None:
+        for node in self.cluster()["nodes"]:
+            if node["name"] == name:
+                document: dict[str, Any] | None = node.get("document")
+                return document
+        return None
+
+
+@pytest.fixture
+def three(tmp_path: Path) -> Iterator[list[NsBroker]]:
+    with Lan(3) as lan:
+        brokers = [NsBroker(lan, i, tmp_path, gpus) for i, gpus in enumerate(("1x24GiB", "1x12GiB", "1x48GiB"))]
+        try:
+            yield brokers
+        finally:
+            for broker in brokers:
+                broker.stop()
+
+
+def timed(condition: Callable[[], bool], timeout: float) -> float:
+    started = time.monotonic()
+    wait_for(condition, timeout=timeout, interval=0.05)
+    return time.monotonic() - started
+
+
+def form(brokers: list[NsBroker]) -> float:
+    """Node 0 creates the cluster; the others join with its tokens. The seconds until all see all alive."""
+    first = brokers[0]
+    first.init()
+    first.start()
+    started = time.monotonic()
+    for broker in brokers[1:]:
+        token = first.client.call("POST", "/v1/cluster/invites", {"ttl": "10m"})["token"]
+        broker.start("--join", token)
+    everyone = {f"node{i}": "alive" for i in range(len(brokers))}
+    wait_for(
+        lambda: all(b.sees() == everyone and all(b.document_of(n) or n == f"node{b.index}" for n in everyone) for b in brokers), 30, 0.05
+    )
+    return time.monotonic() - started
+
+
+def test_three_brokers_join_with_tokens_share_figures_and_leases_and_hint_elsewhere(three: list[NsBroker]) -> None:
+    formed = form(three)
+    print(f"three brokers formed one cluster in {formed:.2f} s (from the second broker's start)")
+    assert formed < 15  # the issue's goal is 5 s; the suite allows for a loaded 2-core machine
+    a, b, c = three
+    assert b.document_of("node2")["gpus"][0]["figures"]["total"] == 48 * GIB  # type: ignore[index]
+    assert c.document_of("node0")["gpus"][0]["figures"]["total"] == 24 * GIB  # type: ignore[index]
+    coordinators = {json.dumps(x.cluster()["coordinator"]) for x in three}
+    assert len(coordinators) == 1, coordinators
+
+    a.client.call("POST", "/v1/leases", {"gpu_memory": "10GiB", "bind": "none", "holder": {"name": "train"}})
+
+    def seen_everywhere() -> bool:
+        return all((x.document_of("node0") or {}).get("gpus", [{}])[0].get("figures", {}).get("leased") == 10 * GIB for x in (b, c))
+
+    spread = timed(seen_everywhere, 10)
+    print(f"a lease granted on node0 reached the other views in {spread:.2f} s")
+    assert any(r["holder"] == "train" for r in b.document_of("node0")["leases"])  # type: ignore[index]
+
+    with pytest.raises(ClientError) as refused:
+        b.client.call("POST", "/v1/leases", {"gpu_memory": "30GiB", "bind": "none"})
+    assert refused.value.code == "INSUFFICIENT_SCHEDULABLE_VRAM"
+    elsewhere = refused.value.details["elsewhere"]
+    assert [hint["name"] for hint in elsewhere] == ["node2"]
+    assert elsewhere[0]["gpus"][0]["figures"]["schedulable"] >= 30 * GIB
+
+
+def test_a_killed_broker_is_dead_everywhere_and_rejoins_by_mdns_and_a_partition_heals(three: list[NsBroker]) -> None:
+    form(three)
+    a, b, c = three
+    c_id = next(n["id"] for n in c.cluster()["nodes"] if n["self"])
+    c.kill()
+    detected = timed(lambda: a.sees()["node2"] == "dead" and b.sees()["node2"] == "dead", 30)
+    print(f"a killed broker was dead on both others after {detected:.2f} s")
+    assert detected < 15  # the issue's goal is 8 s at N <= 10 (Serf: 5.8 s at N = 3)
+    wait_for(lambda: a.cluster()["coordinator"] == b.cluster()["coordinator"], 10)
+    coordinator = a.cluster()["coordinator"]
+    assert coordinator["id"] != c_id  # the coordinator moves when it was the one that died
+    assert coordinator["id"] in {n["id"] for n in a.cluster()["nodes"] if n["state"] == "alive"}
+
+    c.start()  # no seed, no token: mDNS alone finds the cluster again
+    rejoined = timed(lambda: a.sees()["node2"] == "alive" and b.sees()["node2"] == "alive" and set(c.sees().values()) == {"alive"}, 30)
+    print(f"the restarted broker rejoined by mDNS in {rejoined:.2f} s")
+
+    c.lan.cut(2)
+    timed(lambda: a.sees()["node2"] in ("suspect", "dead"), 30)
+    c.lan.mend(2)
+    healed = timed(lambda: all(set(x.sees().values()) == {"alive"} for x in three), 30)
+    print(f"after the link came back, all three saw all alive in {healed:.2f} s")
