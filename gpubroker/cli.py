@@ -317,13 +317,13 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Create this node's identity and a new cluster, offline, in the state directory."""
+    from gpubroker.daemon import load_identity
     from gpubroker.gossip.cluster import ClusterError, ClusterState
-    from gpubroker.gossip.identity import Identity
     from gpubroker.gossip.keyring import cluster_hash
 
     try:
         config = load_config(Path(args.config) if args.config else None, state_dir=args.state, name=args.name)
-        identity = Identity.load_or_create(config.state_dir)
+        identity = load_identity(config.state_dir)
         cluster = ClusterState.init(config.state_dir, identity, config.name)
     except (ConfigError, ClusterError) as error:
         print(f"gpubroker: {error}", file=sys.stderr)

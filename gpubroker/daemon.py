@@ -11,6 +11,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from aiohttp import web
@@ -20,12 +21,12 @@ from gpubroker.broker.probes import GpuProbe, SimulatedProbe
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
-from gpubroker.gossip.cluster import ClusterError, ClusterState, decode_token
-from gpubroker.gossip.identity import Identity
-from gpubroker.gossip.keyring import cluster_hash
-from gpubroker.gossip.mesh import Mesh, MeshSettings, join_cluster
-from gpubroker.gossip.transport import PeerError
 from gpubroker.ui.api import make_app
+
+if TYPE_CHECKING:
+    from gpubroker.gossip.mesh import Mesh
+
+NODE_ID_FILE = Path("identity") / "node_id"  # read without loading the crypto stack: a lone broker stays small
 
 
 class StartError(Exception):
@@ -78,8 +79,36 @@ def default_advertise() -> str:
     return "127.0.0.1"
 
 
-async def _make_mesh(config: Config, broker: Broker, identity: Identity, join: str | None) -> Mesh | None:
+def load_identity(state_dir: Path) -> Any:
+    """This node's Ed25519 identity (made on first use), its id also written where a lone broker reads it."""
+    from gpubroker.gossip.identity import Identity
+
+    identity = Identity.load_or_create(state_dir)
+    path = state_dir / NODE_ID_FILE
+    if not path.exists() or path.read_text().strip() != identity.node_id:
+        path.write_text(identity.node_id + "\n")
+    return identity
+
+
+def known_node_id(state_dir: Path) -> str | None:
+    try:
+        return (state_dir / NODE_ID_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+async def _make_mesh(config: Config, broker: Broker, join: str | None) -> Mesh | None:
     """The mesh if this node belongs to a cluster (or joins one now); None for a lone broker."""
+    if join is None and not (config.state_dir / "cluster.json").exists():
+        return None  # a lone broker never loads the mesh's modules (cryptography, zeroconf): it stays small
+    from gpubroker.gossip.cluster import ClusterError, ClusterState, decode_token
+    from gpubroker.gossip.keyring import cluster_hash
+    from gpubroker.gossip.mesh import Mesh, MeshSettings, join_cluster
+    from gpubroker.gossip.transport import PeerError
+
+    identity = load_identity(config.state_dir)
+    if broker.node_id != identity.node_id:
+        raise StartError(f"{config.state_dir} holds leases of node {broker.node_id}, not of this identity {identity.node_id}")
     seeds = tuple(_addr(p) for p in config.peers)
     try:
         cluster = ClusterState.load(config.state_dir)
@@ -110,12 +139,13 @@ async def serve(
     """Run the broker (and its mesh, in a cluster) until cancelled; closing is idempotent and leaves the store consistent."""
     lock = _lock_state(config.state_dir)
     try:
-        identity = Identity.load_or_create(config.state_dir)
+        if join is not None and known_node_id(config.state_dir) is None:
+            load_identity(config.state_dir)  # a joining node's leases carry the id it will have in the cluster
         store = Store(config.state_dir, config.store_size, config.events_kept)
-        broker = Broker(config, store, probe or make_probe(config), node_id=identity.node_id)
+        broker = Broker(config, store, probe or make_probe(config), node_id=known_node_id(config.state_dir))
         await broker.start()
         try:
-            mesh = await _make_mesh(config, broker, identity, join)
+            mesh = await _make_mesh(config, broker, join)
         except BaseException:
             await broker.close()
             raise

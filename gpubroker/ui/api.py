@@ -7,7 +7,7 @@ import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -16,10 +16,12 @@ from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.config import Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal
-from gpubroker.gossip.mesh import Mesh
 from gpubroker.ui.metrics import Metrics
 from gpubroker.ui.openapi import OPENAPI
 from gpubroker.units import UnitError, parse_duration
+
+if TYPE_CHECKING:
+    from gpubroker.gossip.mesh import Mesh
 
 BROKER = web.AppKey("broker", Broker)
 CONFIG = web.AppKey("config", Config)
