@@ -56,10 +56,28 @@ def self_check() -> int:
         finally:
             loop.call_soon_threadsafe(task.cancel)
             runner.join(10)
+        mesh = _mesh_check()
         try:
             NvmlProbe().sample()
             nvml = "NVML: GPUs readable"
         except ProbeError as error:
             nvml = f"NVML: {error}"
-    print(f"self-check ok: lease {lease['id']} granted and released on a simulated 24 GiB GPU; {nvml}")
+    print(f"self-check ok: lease {lease['id']} granted and released on a simulated 24 GiB GPU; {mesh}; {nvml}")
     return 0
+
+
+def _mesh_check() -> str:
+    """The mesh's own dependencies, bundled and working: Ed25519, AES-GCM, msgpack framing, zeroconf."""
+    import zeroconf
+
+    from gpubroker.gossip import wire
+    from gpubroker.gossip.identity import Identity
+    from gpubroker.gossip.keyring import Keyring
+    from gpubroker.gossip.messages import Ping
+
+    identity = Identity.generate()
+    assert Identity.verify(identity.public_key_bytes, b"check", identity.sign(b"check"))
+    keyring = Keyring.generate()
+    ping = Ping(1, identity.node_id, identity.node_id, ("127.0.0.1", 9741))
+    assert wire.decode(keyring.open(keyring.seal(wire.encode(ping)))) == ping
+    return f"mesh: identity {identity.node_id}, sealed gossip, zeroconf {zeroconf.__version__}"
