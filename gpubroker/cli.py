@@ -51,9 +51,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    node = Client().call("GET", "/v1/node")
+    client = Client()
+    node = client.call("GET", "/v1/node")
+    cluster = client.call("GET", "/v1/cluster")
     if args.json:
-        _print_json(node)
+        _print_json({"node": node, "cluster": cluster})
         return 0
     info = node["node"]
     print(
@@ -81,7 +83,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"memory {gib(memory['total'])} GiB: {gib(memory['leased'])} leased, {gib(memory['schedulable'])} schedulable")
     waiting = {k: v for k, v in node.get("queue", {}).items() if v}
     print("queue: " + (", ".join(f"{v} {k}" for k, v in waiting.items()) if waiting else "none waiting"))
+    _print_cluster(cluster)
     return 0
+
+
+def _print_cluster(cluster: dict[str, Any]) -> None:
+    """The other nodes as this node's mesh sees them: state, freshness, each GPU's schedulable figure."""
+    others = [n for n in cluster.get("nodes", []) if not n.get("self")]
+    if not others:
+        return
+    coordinator = (cluster.get("coordinator") or {}).get("id")
+    print(f"cluster: {len(others) + 1} nodes, coordinator {coordinator}")
+    for other in others:
+        document = other.get("document") or {}
+        age = other.get("age")
+        fresh = f"seen {age:.1f}s ago" if isinstance(age, int | float) else "no document yet"
+        badge = " (coordinator)" if other["id"] == coordinator else ""
+        gpus = ", ".join(
+            f"GPU {g['index']} {gib(g['figures']['schedulable'])}/{gib(g['figures']['total'])} GiB schedulable"
+            for g in document.get("gpus", [])
+        )
+        print(f"  {other.get('name') or other['id']}{badge}: {other['state']}, {fresh}; {gpus or 'no GPUs'}")
 
 
 def _request_body(args: argparse.Namespace, bind: str) -> dict[str, Any]:

@@ -145,7 +145,7 @@ def test_three_brokers_join_with_tokens_share_figures_and_leases_and_hint_elsewh
     coordinators = {json.dumps(x.cluster()["coordinator"]) for x in three}
     assert len(coordinators) == 1, coordinators
 
-    a.client.call("POST", "/v1/leases", {"gpu_memory": "10GiB", "bind": "none", "holder": {"name": "train"}})
+    held = a.client.call("POST", "/v1/leases", {"gpu_memory": "10GiB", "bind": "none", "holder": {"name": "train"}})["lease"]
 
     def seen_everywhere() -> bool:
         return all((x.document_of("node0") or {}).get("gpus", [{}])[0].get("figures", {}).get("leased") == 10 * GIB for x in (b, c))
@@ -160,6 +160,13 @@ def test_three_brokers_join_with_tokens_share_figures_and_leases_and_hint_elsewh
     elsewhere = refused.value.details["elsewhere"]
     assert [hint["name"] for hint in elsewhere] == ["node2"]
     assert elsewhere[0]["gpus"][0]["figures"]["schedulable"] >= 30 * GIB
+
+    with pytest.raises(ClientError) as foreign:  # forwarded to node0, which refuses a caller without the token
+        c.client.call("DELETE", f"/v1/leases/{held['id']}", headers={"X-Lease-Token": "not-the-token"})
+    assert foreign.value.code == "FORBIDDEN"
+    released = c.client.call("DELETE", f"/v1/leases/{held['id']}", headers={"X-Lease-Token": held["token"]})["lease"]
+    assert released["state"] == "released"
+    assert a.client.call("GET", f"/v1/leases/{held['id']}")["lease"]["state"] == "released"
 
 
 def test_a_killed_broker_is_dead_everywhere_and_rejoins_by_mdns_and_a_partition_heals(three: list[NsBroker]) -> None:
@@ -184,3 +191,21 @@ def test_a_killed_broker_is_dead_everywhere_and_rejoins_by_mdns_and_a_partition_
     c.lan.mend(2)
     healed = timed(lambda: all(set(x.sees().values()) == {"alive"} for x in three), 30)
     print(f"after the link came back, all three saw all alive in {healed:.2f} s")
+
+
+def test_a_broker_of_another_cluster_pointed_at_a_member_is_never_counted(tmp_path: Path) -> None:
+    with Lan(2) as lan:
+        member, stranger = NsBroker(lan, 0, tmp_path, "1x24GiB"), NsBroker(lan, 1, tmp_path, "1x24GiB")
+        try:
+            member.init()
+            stranger.init()  # a cluster of its own: another keyring, another set of members
+            member.start()
+            stranger.start("--peer", f"{lan.address(0)}:9741")
+            time.sleep(5)  # several probe and gossip rounds, and mDNS sightings, for a stranger to sneak in
+            assert [n["name"] for n in member.cluster()["nodes"]] == ["node0"]
+            assert [n["name"] for n in stranger.cluster()["nodes"]] == ["node1"]
+            events = member.client.call("GET", "/v1/events", query={"limit": 1000})["events"]
+            assert not [e for e in events if e["type"].startswith("mesh.member") and "node1" in e["message"]]
+        finally:
+            member.stop()
+            stranger.stop()

@@ -386,6 +386,36 @@ class Mesh:
             self.membership.join([sighting.addr])
             self._wake.set()
 
+    # ----- acting on another node's lease ----------------------------------------
+
+    def owner_of(self, lease_id: str) -> str | None:
+        """The node whose document lists this lease, if any."""
+        for document, _ in self.view.documents():
+            if any(isinstance(r, dict) and r.get("id") == lease_id for r in document.body.get("leases", [])):
+                return document.node
+        return None
+
+    async def forward_release(self, lease_id: str, token: str | None) -> dict[str, Any] | None:
+        """Ask the lease's own node to release it; it authorises the request. None: no node holds it."""
+        owner = self.owner_of(lease_id)
+        member = self.membership.member(owner) if owner else None
+        if member is None:
+            return None
+        answer = await self._call(member.addr, {"op": "release", "lease": lease_id, "token": token})
+        if answer is None:
+            raise BrokerError(
+                FailureCode.TIMEOUT, f"lease {lease_id} is held by node {self._name_of(owner or '')}, which did not answer", {"node": owner}
+            )
+        if "failure" in answer and isinstance(answer["failure"], dict):
+            failure = answer["failure"].get("error", {})
+            try:
+                code = FailureCode(failure.get("code"))
+            except ValueError:
+                code = FailureCode.INVALID_REQUEST
+            raise BrokerError(code, str(failure.get("message")), {**dict(failure.get("details") or {}), "node": owner})
+        lease: dict[str, Any] | None = answer.get("lease")
+        return lease
+
     # ----- administration (the API checks who may) ---------------------------------
 
     def invite(self, ttl: float) -> str:

@@ -177,7 +177,15 @@ async def add_process_group(request: web.Request) -> web.Response:
 
 
 async def release_lease(request: web.Request) -> web.Response:
-    lease = await request.app[BROKER].release(request.match_info["id"], _caller(request), _token(request))
+    lease_id = request.match_info["id"]
+    try:
+        lease = await request.app[BROKER].release(lease_id, _caller(request), _token(request))
+    except NotFound:
+        mesh = request.app[MESH]
+        forwarded = await mesh.forward_release(lease_id, _token(request)) if mesh is not None else None
+        if forwarded is None:
+            raise
+        return web.json_response({"lease": forwarded})  # released by its own node, which authorised it
     return web.json_response({"lease": lease.to_json()})
 
 

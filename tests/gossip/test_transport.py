@@ -196,7 +196,7 @@ async def test_random_bytes_and_unreadable_plaintexts_are_dropped_by_reason_and_
 
     raw.send(os.urandom(300), b.address)  # not sealed at all
     raw.send(b"\x01", b.address)  # shorter than any sealed datagram
-    raw.send(keyring.seal(os.urandom(300)), b.address)  # sealed, but not a message
+    raw.send(keyring.seal(b"\x00" + os.urandom(299)), b.address)  # sealed, but not a message (no magic byte)
     raw.send(keyring.seal(wire.MAGIC + bytes((200, 201)) + b"\x90"), b.address)  # a protocol range we do not speak
     raw.send(keyring.seal(wire.MAGIC + bytes((1, 1)) + b"\x92\x7f\x80"), b.address)  # a message type we do not know
     raw.send(os.urandom(wire.MAX_DATAGRAM + 1), b.address)
@@ -587,7 +587,7 @@ async def test_a_peer_that_stalls_is_disconnected_after_the_read_timeout(identit
     a, b = identities("a"), identities("b")
     members = roster(a, b)
     handler = Handler()
-    server = await servers(a, members, handler, read_timeout=0.2)
+    server = await servers(a, members, handler, read_timeout=0.5)  # ample for a loopback handshake on a busy machine
 
     # One connection never starts its handshake; the other completes it and never sends a request.
     plain_reader, plain_writer = await asyncio.open_connection(*server.address)
