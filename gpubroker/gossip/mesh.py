@@ -9,6 +9,7 @@ a GPU's own node grants on it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import random
@@ -27,7 +28,7 @@ from gpubroker.gossip.coordinator import Candidate, Coordinator, choose, merge
 from gpubroker.gossip.discovery import Discovery, Sighting
 from gpubroker.gossip.documents import ClusterView, DocumentError, Publisher, open_document, sign_document, summarize
 from gpubroker.gossip.identity import Identity, node_id_of
-from gpubroker.gossip.keyring import cluster_hash
+from gpubroker.gossip.keyring import cluster_hash, key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
 from gpubroker.gossip.messages import Addr, DocumentNotice, MemberState, Message, PushPull
 from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, call_for_join, call_member
@@ -246,10 +247,13 @@ class Mesh:
 
     async def _push_pull(self, addr: Addr) -> None:
         ours = self.membership.push_pull_state()
-        answer = await self._call(addr, {"op": "push_pull", "state": wire.encode(ours), "cluster": self.cluster.export()})
+        answer = await self._call(
+            addr, {"op": "push_pull", "state": wire.encode(ours), "cluster": self.cluster.export(), "primary": self._primary()}
+        )
         if answer is None:
             return
         self._merge_cluster(answer.get("cluster"))
+        self._learn_primary(answer.get("primary"))
         try:
             remote = wire.decode(answer["state"])
         except (KeyError, TypeError, wire.WireError):
@@ -258,6 +262,16 @@ class Mesh:
             now = self.clock()
             self.membership.push_pull_reply(now, addr, remote)
             self._drain(now)
+
+    def _primary(self) -> str:
+        return base64.b64encode(self.cluster.keyring.primary).decode()
+
+    def _learn_primary(self, key: object) -> None:
+        """Install (never use, never remove) the key a member seals with, if it is new here."""
+        if isinstance(key, str) and key != self._primary():
+            with contextlib.suppress(ClusterError, ValueError):  # a garbled key from a peer is ignored
+                if key_id(base64.b64decode(key)) not in {k for k, _ in self.cluster.keys_list()}:
+                    self._apply_keys({"install": key})
 
     async def _tcp_ping(self, request: Any) -> None:
         answer = await self._call(request.addr, {"op": "ping", "ping": wire.encode(request.ping)})
@@ -306,6 +320,7 @@ class Mesh:
             return self._join_request(request) if op == "join" else {"error": "members only"}
         if op == "push_pull":
             self._merge_cluster(request.get("cluster"))
+            self._learn_primary(request.get("primary"))
             try:
                 remote = wire.decode(request["state"])
             except (KeyError, TypeError, wire.WireError):
@@ -315,7 +330,7 @@ class Mesh:
             now = self.clock()
             ours = self.membership.push_pull_received(now, remote)
             self._drain(now)
-            return {"state": wire.encode(ours), "cluster": self.cluster.export()}
+            return {"state": wire.encode(ours), "cluster": self.cluster.export(), "primary": self._primary()}
         if op == "ping":
             try:
                 ping = wire.decode(request["ping"])
@@ -330,6 +345,12 @@ class Mesh:
             return {"error": "only a node's own document is served by it"}
         if op == "release":
             return await self._forwarded_release(request)
+        if op == "keys" and isinstance(request.get("change"), dict) and len(request["change"]) == 1:
+            try:
+                self._apply_keys(request["change"])
+            except (ClusterError, KeyError, TypeError, ValueError) as error:
+                return {"error": str(error)}
+            return {"ok": True}
         return {"error": f"unknown op {op!r}"}
 
     def _join_request(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -454,20 +475,36 @@ class Mesh:
     def keys_json(self) -> dict[str, Any]:
         return {"keys": [{"id": key, "primary": primary} for key, primary in self.cluster.keys_list()]}
 
-    def change_keys(self, change: dict[str, Any]) -> dict[str, Any]:
-        try:
-            if "install" in change:
-                value = change["install"]
-                self.cluster.keys_install(value if isinstance(value, str) else new_key_b64())
-            elif "use" in change:
-                self.cluster.keys_use(str(change["use"]))
-            else:
-                self.cluster.keys_remove(str(change["remove"]))
-        except ClusterError as error:
-            raise BrokerError(FailureCode.INVALID_REQUEST, str(error), {}) from None
+    def _apply_keys(self, change: dict[str, Any]) -> dict[str, str]:
+        """One keyring change here; the change as it can be sent on (an installed key travels as itself)."""
+        if "install" in change:
+            value = change["install"]
+            key = value if isinstance(value, str) else new_key_b64()
+            self.cluster.keys_install(key)
+            applied = {"install": key}
+        elif "use" in change:
+            applied = {"use": self.cluster.keys_use(str(change["use"]))}
+        else:
+            self.cluster.keys_remove(str(change["remove"]))
+            applied = {"remove": str(change["remove"])}
         if self._datagrams is not None:
             self._datagrams.keyring = self.cluster.keyring
-        return self.keys_json()
+        return applied
+
+    async def change_keys(self, change: dict[str, Any]) -> dict[str, Any]:
+        """Change the keyring here, then on every live member (over mutual TLS), as `keys` in Serf does."""
+        try:
+            applied = self._apply_keys(change)
+        except ClusterError as error:
+            raise BrokerError(FailureCode.INVALID_REQUEST, str(error), {}) from None
+        self.broker.record_event("mesh.keys", f"keyring change {next(iter(applied))} made here and sent to the members", details={})
+        live = [m for m in self._others() if m.state is MemberState.ALIVE]
+        answers = await asyncio.gather(*(self._call(m.addr, {"op": "keys", "change": applied}) for m in live))
+        results = {
+            m.node: ("ok" if a is not None and "error" not in a else str((a or {}).get("error", "no answer")))
+            for m, a in zip(live, answers, strict=True)
+        }
+        return {**self.keys_json(), "members": results}
 
     # ----- what the API shows ---------------------------------------------------
 

@@ -253,7 +253,7 @@ async def change_keys(request: web.Request) -> web.Response:
     body = await _json_body(request, optional=True)
     if not isinstance(body, dict) or set(body) - {"install", "use", "remove"} or len(body) != 1:
         raise InvalidRequest('a key change is {"install": KEY or null}, {"use": KEY_ID} or {"remove": KEY_ID}')
-    return web.json_response(_mesh(request).change_keys(body))
+    return web.json_response(await _mesh(request).change_keys(body))
 
 
 async def events(request: web.Request) -> web.Response:
