@@ -44,7 +44,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             peers=args.peer or None,
             mdns=False if args.no_mdns else None,
         )
-        return daemon.run(config, join=args.join)
+        return daemon.run(config, join=args.join, ask=args.ask)
     except (ConfigError, ProbeError) as error:
         print(f"gpubroker: {error}", file=sys.stderr)
         return 2
@@ -362,10 +362,13 @@ def cmd_invite(args: argparse.Namespace) -> int:
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     client = Client()
-    if args.action == "remove":
+    if args.action in ("remove", "approve"):
         if not args.id:
-            raise SystemExit("gpubroker: nodes remove needs a node id")
-        answer = client.call("DELETE", f"/v1/cluster/nodes/{args.id}")
+            raise SystemExit(f"gpubroker: nodes {args.action} needs a node id")
+        if args.action == "remove":
+            answer = client.call("DELETE", f"/v1/cluster/nodes/{args.id}")
+        else:
+            answer = client.call("POST", f"/v1/cluster/nodes/{args.id}/approve")
     else:
         answer = client.call("GET", "/v1/cluster/nodes")
     if args.json:
@@ -421,6 +424,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--peer", action="append", metavar="HOST:PORT", help="a seed member's gossip address (repeatable)")
     up.add_argument("--join", metavar="TOKEN", help="join a cluster with a token from `gpubroker invite`")
     up.add_argument("--no-mdns", action="store_true", help="do not look for peers by mDNS")
+    up.add_argument("--ask", action="store_true", help="no token: ask the members found to admit this node, for an operator to approve")
     up.set_defaults(run=cmd_up)
 
     init = sub.add_parser("init", help="create this node's identity and a new cluster (once, on the first node)")
@@ -433,8 +437,8 @@ def parser() -> argparse.ArgumentParser:
     invite.add_argument("--ttl", default="1h", metavar="DURATION", help="how long the token is valid (default 1h)")
     invite.set_defaults(run=cmd_invite)
 
-    nodes = sub.add_parser("nodes", help="the cluster's members: list, or remove ID")
-    nodes.add_argument("action", choices=("list", "remove"))
+    nodes = sub.add_parser("nodes", help="the cluster's members: list, approve ID (a node that asked), remove ID")
+    nodes.add_argument("action", choices=("list", "approve", "remove"))
     nodes.add_argument("id", nargs="?")
     nodes.add_argument("--json", action="store_true")
     nodes.set_defaults(run=cmd_nodes)

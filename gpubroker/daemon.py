@@ -21,7 +21,7 @@ from gpubroker.broker.probes import GpuProbe, SimulatedProbe
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
-from gpubroker.ui.api import make_app
+from gpubroker.ui.api import MeshSlot, make_app
 
 if TYPE_CHECKING:
     from gpubroker.gossip.mesh import Mesh
@@ -97,13 +97,38 @@ def known_node_id(state_dir: Path) -> str | None:
         return None
 
 
+def _mesh_settings(config: Config, seeds: tuple[tuple[str, int], ...]) -> Any:
+    from gpubroker.gossip.mesh import MeshSettings
+
+    return MeshSettings(
+        gossip=_addr(config.gossip),
+        advertise=config.advertise or default_advertise(),
+        peers=seeds,
+        priority=config.coordinator_priority,
+        mdns=config.mdns,
+    )
+
+
+async def _ask_then_mesh(config: Config, broker: Broker, slot: MeshSlot) -> None:
+    """No cluster, no token: ask the members found to admit this node, and run the mesh once one does."""
+    from gpubroker.gossip.mesh import Asker, Mesh
+
+    identity = load_identity(config.state_dir)
+    settings = _mesh_settings(config, tuple(_addr(p) for p in config.peers))
+    asker = Asker(settings, identity, config.name, config.state_dir, lambda kind, text: broker.record_event(kind, text))
+    cluster = await asker.run()
+    broker.record_event("mesh.join.admitted", "this node was approved and joins its cluster")
+    slot.mesh = Mesh(settings, broker, identity, cluster)
+    await slot.mesh.run()
+
+
 async def _make_mesh(config: Config, broker: Broker, join: str | None) -> Mesh | None:
     """The mesh if this node belongs to a cluster (or joins one now); None for a lone broker."""
     if join is None and not (config.state_dir / "cluster.json").exists():
         return None  # a lone broker never loads the mesh's modules (cryptography, zeroconf): it stays small
     from gpubroker.gossip.cluster import ClusterError, ClusterState, decode_token
     from gpubroker.gossip.keyring import cluster_hash
-    from gpubroker.gossip.mesh import Mesh, MeshSettings, join_cluster
+    from gpubroker.gossip.mesh import Mesh, join_cluster
     from gpubroker.gossip.transport import PeerError
 
     identity = load_identity(config.state_dir)
@@ -123,18 +148,15 @@ async def _make_mesh(config: Config, broker: Broker, join: str | None) -> Mesh |
         raise StartError(f"cannot join: {error}") from None
     if cluster is None:
         return None
-    settings = MeshSettings(
-        gossip=_addr(config.gossip),
-        advertise=config.advertise or default_advertise(),
-        peers=seeds,
-        priority=config.coordinator_priority,
-        mdns=config.mdns,
-    )
-    return Mesh(settings, broker, identity, cluster)
+    return Mesh(_mesh_settings(config, seeds), broker, identity, cluster)
 
 
 async def serve(
-    config: Config, probe: GpuProbe | None = None, on_ready: Callable[[Broker], None] | None = None, join: str | None = None
+    config: Config,
+    probe: GpuProbe | None = None,
+    on_ready: Callable[[Broker], None] | None = None,
+    join: str | None = None,
+    ask: bool = False,
 ) -> None:
     """Run the broker (and its mesh, in a cluster) until cancelled; closing is idempotent and leaves the store consistent."""
     lock = _lock_state(config.state_dir)
@@ -149,7 +171,8 @@ async def serve(
         except BaseException:
             await broker.close()
             raise
-        runner = web.AppRunner(make_app(broker, mesh), handler_cancellation=True, access_log=None)
+        slot = MeshSlot(mesh)
+        runner = web.AppRunner(make_app(broker, slot), handler_cancellation=True, access_log=None)
         try:
             await runner.setup()
             sock_path = config.socket_path
@@ -167,6 +190,8 @@ async def serve(
                 group.create_task(broker.run())
                 if mesh is not None:
                     group.create_task(mesh.run())
+                elif ask:
+                    group.create_task(_ask_then_mesh(config, broker, slot))
         finally:
             await runner.cleanup()
             await broker.close()
@@ -176,7 +201,7 @@ async def serve(
         os.close(lock)
 
 
-def run(config: Config, join: str | None = None) -> int:
+def run(config: Config, join: str | None = None, ask: bool = False) -> int:
     """`gpubroker up`: run in the foreground until SIGINT or SIGTERM."""
 
     def ready(broker: Broker) -> None:
@@ -196,7 +221,7 @@ def run(config: Config, join: str | None = None) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await serve(config, on_ready=ready, join=join)
+            await serve(config, on_ready=ready, join=join, ask=ask)
 
     try:
         asyncio.run(main())

@@ -219,3 +219,21 @@ def test_a_broker_of_another_cluster_pointed_at_a_member_is_never_counted(tmp_pa
         finally:
             member.stop()
             stranger.stop()
+
+
+def test_a_node_without_a_token_asks_is_approved_and_joins(tmp_path: Path) -> None:
+    with Lan(2) as lan:
+        member, newcomer = NsBroker(lan, 0, tmp_path, "1x24GiB"), NsBroker(lan, 1, tmp_path, "1x12GiB")
+        try:
+            member.init()
+            member.start()
+            newcomer.start("--ask")  # found by mDNS; no token, no seed
+            wait_for(lambda: [p["name"] for p in member.client.call("GET", "/v1/cluster/nodes")["pending"]] == ["node1"], 20)
+            assert [n["name"] for n in member.cluster()["nodes"]] == ["node0"]  # asking is not being a member
+            pending = member.client.call("GET", "/v1/cluster/nodes")["pending"][0]
+            member.client.call("POST", f"/v1/cluster/nodes/{pending['id']}/approve")
+            joined = timed(lambda: member.sees().get("node1") == "alive" and newcomer.sees().get("node0") == "alive", 30)
+            print(f"an approved node joined {joined:.2f} s after the approval")
+        finally:
+            member.stop()
+            newcomer.stop()

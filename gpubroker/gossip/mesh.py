@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.errors import BrokerError, FailureCode
@@ -27,11 +29,11 @@ from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, deco
 from gpubroker.gossip.coordinator import Candidate, Coordinator, choose, merge
 from gpubroker.gossip.discovery import Discovery, Sighting
 from gpubroker.gossip.documents import ClusterView, DocumentError, Publisher, open_document, sign_document, summarize
-from gpubroker.gossip.identity import Identity, node_id_of
+from gpubroker.gossip.identity import Identity, IdentityError, node_id_of, node_id_of_certificate, public_key_of
 from gpubroker.gossip.keyring import cluster_hash, key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
 from gpubroker.gossip.messages import Addr, DocumentNotice, MemberState, Message, PushPull
-from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, call_for_join, call_member
+from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, call_for_join, call_member, call_unpinned
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY = 0.5  # seconds between looks at our own figures; the Publisher keeps versions ≥ 1 s apart
@@ -74,6 +76,80 @@ async def join_cluster(token: str, identity: Identity, name: str, state_dir: Any
     if "error" in answer:
         raise ClusterError(f"the seed {parsed.seed[0]}:{parsed.seed[1]} refused to admit this node: {answer['error']}")
     return ClusterState.adopt(state_dir, identity, name, JoinGrant.from_dict(answer["grant"]), token=parsed)
+
+
+ASK_EVERY = 2.0  # seconds between a waiting node's requests to the members it found
+ASK_FRESH = 120.0  # a request's proof is good for this long either way of the member's clock
+
+
+def ask_proof(server_fingerprint: str, at: float) -> bytes:
+    """What an asking node signs: bound to the member it talks to and to the moment, so it cannot be replayed elsewhere."""
+    return f"gpubroker-ask|{server_fingerprint}|{at:.3f}".encode()
+
+
+@dataclass(slots=True)
+class Asker:
+    """A node with no cluster and no token: it asks the members it finds to admit it, then waits for an operator."""
+
+    settings: MeshSettings
+    identity: Identity
+    name: str
+    state_dir: Any
+    on_event: Callable[[str, str], None]
+    clock: Callable[[], float] = time.time
+    targets: set[Addr] = field(default_factory=set)
+
+    def _sighted(self, sighting: Sighting) -> None:
+        if sighting.cluster:  # a member of some cluster; mDNS finds, the operator decides
+            self.targets.add(sighting.addr)
+
+    async def run(self) -> ClusterState:
+        """Returns the cluster once a member grants admission (after `gpubroker nodes approve`)."""
+        self.targets.update(self.settings.peers)
+        discovery = None
+        if self.settings.mdns:
+            discovery = Discovery(self.identity.node_id, "", self.settings.advertise, self.settings.gossip[1], self._sighted)
+            await discovery.start()
+        told: set[Addr] = set()
+        try:
+            while True:
+                for addr in sorted(self.targets):
+                    grant = await self._ask(addr)
+                    if grant is not None:
+                        return ClusterState.adopt(self.state_dir, self.identity, self.name, grant)
+                    if addr not in told:
+                        told.add(addr)
+                        self.on_event(
+                            "mesh.ask",
+                            f"asked {addr[0]}:{addr[1]} to admit this node; approve it there with `gpubroker nodes approve {self.identity.node_id}`",
+                        )
+                await asyncio.sleep(ASK_EVERY)
+        finally:
+            if discovery is not None:
+                await discovery.close()
+
+    async def _ask(self, addr: Addr) -> JoinGrant | None:
+        at = self.clock()
+
+        def request(server_fingerprint: str) -> dict[str, Any]:
+            return {
+                "op": "ask",
+                "cert": self.identity.certificate_pem().decode(),
+                "name": self.name,
+                "addr": [self.settings.advertise, self.settings.gossip[1]],
+                "at": at,
+                "proof": self.identity.sign(ask_proof(server_fingerprint, at)),
+            }
+
+        try:
+            answer = await call_unpinned(addr, request)
+        except PeerError:
+            return None
+        grant = answer.get("grant")
+        if isinstance(grant, dict):
+            with contextlib.suppress(ClusterError):
+                return JoinGrant.from_dict(grant)
+        return None
 
 
 @dataclass(slots=True)
@@ -317,7 +393,9 @@ class Mesh:
     async def _on_request(self, peer: str | None, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if peer is None:
-            return self._join_request(request) if op == "join" else {"error": "members only"}
+            if op == "join":
+                return self._join_request(request)
+            return self._ask_request(request) if op == "ask" else {"error": "members only"}
         if op == "push_pull":
             self._merge_cluster(request.get("cluster"))
             self._learn_primary(request.get("primary"))
@@ -366,6 +444,51 @@ class Mesh:
                 self._server.trust(der)
         self.broker.record_event("mesh.join.admitted", f"node {request.get('name')} was admitted with a join token", details={})
         return {"grant": grant.to_dict()}
+
+    def _ask_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A node with no cluster asks to be admitted (recorded for approval), or, once approved, fetches its grant."""
+        try:
+            cert = str(request["cert"])
+            at = float(request["at"])
+            proof = bytes(request["proof"])
+            der = x509.load_pem_x509_certificate(cert.encode()).public_bytes(serialization.Encoding.DER)
+            node = node_id_of_certificate(der)
+            genuine = Identity.verify(public_key_of(der), ask_proof(self.identity.fingerprint(), at), proof)
+        except (KeyError, TypeError, ValueError, IdentityError):
+            return {"error": "not a request to be admitted"}
+        if not genuine or abs(self.clock() - at) > ASK_FRESH:
+            return {"error": "the request is not signed by the node it names, or is stale"}
+        if self.cluster.is_member(node):
+            return {"grant": self.cluster.grant().to_dict()}
+        addr = request.get("addr")
+        try:
+            first = node not in {p.node_id for p in self.cluster.pending_list()}
+            self.cluster.ask(
+                node,
+                cert,
+                str(request.get("name", "")),
+                (str(addr[0]), int(addr[1])) if isinstance(addr, list) and len(addr) == 2 else ("", 0),
+                self.clock(),
+            )
+        except (ClusterError, TypeError, ValueError) as error:
+            return {"error": str(error)}
+        if first:
+            self.broker.record_event(
+                "mesh.node.pending",
+                f"node {request.get('name')} ({node}) asks to join; approve with `gpubroker nodes approve {node}`",
+                details={"node": node},
+            )
+        return {"pending": True}
+
+    def approve(self, node: str) -> dict[str, Any]:
+        try:
+            self.cluster.approve(node, self.node_id, self.clock())
+        except ClusterError as error:
+            raise BrokerError(FailureCode.NOT_FOUND, str(error), {"node": node}) from None
+        if self._server is not None:
+            self._server.trust(self.cluster.members_der()[node])
+        self.broker.record_event("mesh.join.approved", f"node {node} was approved and may join", details={"node": node})
+        return self.nodes_json()
 
     async def _forwarded_release(self, request: dict[str, Any]) -> dict[str, Any]:
         lease = request.get("lease")

@@ -52,6 +52,8 @@ MAX_CONNECTIONS = 64  # concurrent connections a server serves; more are closed 
 JOIN_MAX_FRAME = 64 * 1024  # a request from a client without a certificate: a join carries a token and a certificate
 
 JOIN_OP = "join"
+ASK_OP = "ask"  # discovery-then-approve: a node with no cluster asks to be admitted, or polls for its grant
+ANONYMOUS_OPS = (JOIN_OP, ASK_OP)
 
 _HEADER = wire.MAGIC + bytes((wire.PROTOCOL_MIN, wire.PROTOCOL_MAX))
 
@@ -485,8 +487,8 @@ class PeerServer:
             request = unpack_map(payload)
         except wire.WireError as exc:
             raise _Refused("malformed", str(exc)) from None
-        if peer is None and request.get("op") != JOIN_OP:
-            raise _Refused("anonymous_op", f"a node without an admitted certificate may only ask to {JOIN_OP}")
+        if peer is None and request.get("op") not in ANONYMOUS_OPS:
+            raise _Refused("anonymous_op", f"a node without an admitted certificate may only {' or '.join(ANONYMOUS_OPS)}")
         return peer, request
 
     async def _answer(self, writer: asyncio.StreamWriter, answer: Mapping[str, Any]) -> None:
@@ -562,17 +564,42 @@ async def call_for_join(
 _fingerprint = fingerprint  # call_for_join's parameter shadows the function
 
 
+async def call_unpinned(
+    addr: Addr,
+    make_request: Callable[[str], dict[str, Any]],
+    timeout: float = CALL_TIMEOUT,  # noqa: ASYNC109 - as call_member's
+) -> dict[str, Any]:
+    """Ask a server we have no pin for (trust on first use), building the request from its certificate's fingerprint.
+
+    A request signed over the fingerprint cannot be relayed to another server by whoever answered.
+    """
+    seen: list[str] = []
+
+    def check(der: bytes | None) -> None:
+        if der is None:
+            raise PeerRejected(addr, "the peer presented no certificate")
+        seen.append(_fingerprint(der))
+
+    return await _call(addr, join_context(), lambda: make_request(seen[0]), timeout, check)
+
+
+def _framed(addr: Addr, request: dict[str, Any]) -> bytes:
+    try:
+        return wire.frame(pack_map(request))
+    except wire.WireError as exc:
+        raise PeerError(addr, f"the request cannot be sent: {exc}") from None
+
+
 async def _call(
     addr: Addr,
     context: ssl.SSLContext,
-    request: dict[str, Any],
+    request: dict[str, Any] | Callable[[], dict[str, Any]],
     seconds: float,
     check: Callable[[bytes | None], None],
 ) -> dict[str, Any]:
-    try:
-        data = wire.frame(pack_map(request))
-    except wire.WireError as exc:
-        raise PeerError(addr, f"the request cannot be sent: {exc}") from None
+    data = b""
+    if isinstance(request, dict):  # framed before connecting: a request that cannot be sent costs no connection
+        data = _framed(addr, request)
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(seconds):
@@ -583,7 +610,7 @@ async def _call(
             except OSError as exc:
                 raise PeerUnreachable(addr, f"cannot connect: {exc.strerror or exc}") from None
             check(_peer_certificate(writer))
-            writer.write(data)
+            writer.write(data or _framed(addr, request() if callable(request) else request))
             await writer.drain()
             payload = await wire.read_frame(reader)
     except TimeoutError:

@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -27,7 +28,16 @@ BROKER = web.AppKey("broker", Broker)
 CONFIG = web.AppKey("config", Config)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG_HOSTS = web.AppKey("allowed_hosts", frozenset)
-MESH: web.AppKey[Mesh | None] = web.AppKey("mesh")
+
+
+@dataclass(slots=True)
+class MeshSlot:
+    """The mesh, once there is one: a node that asks to join gets it after an operator approves, while serving."""
+
+    mesh: Mesh | None = None
+
+
+MESH: web.AppKey[MeshSlot] = web.AppKey("mesh")
 STATES = ("queued", LIVE, *ENDED)
 ROOM_CODES = (FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, FailureCode.EXTERNAL_GPU_PRESSURE, FailureCode.LEASE_CONFLICT)
 _PEERCRED = struct.Struct("3i")
@@ -128,7 +138,7 @@ async def create_lease(request: web.Request) -> web.Response:
     try:
         lease, token = await broker.request(lease_request, _caller(request))
     except Refusal as refusal:
-        mesh = request.app[MESH]
+        mesh = request.app[MESH].mesh
         if mesh is not None and refusal.code in ROOM_CODES and lease_request.wants_gpus:
             # A hint, never a decision: where the documents show room now, with how fresh each is.
             refusal.details["elsewhere"] = mesh.elsewhere(lease_request.gpu_memory, lease_request.gpus)
@@ -181,7 +191,7 @@ async def release_lease(request: web.Request) -> web.Response:
     try:
         lease = await request.app[BROKER].release(lease_id, _caller(request), _token(request))
     except NotFound:
-        mesh = request.app[MESH]
+        mesh = request.app[MESH].mesh
         forwarded = await mesh.forward_release(lease_id, _token(request)) if mesh is not None else None
         if forwarded is None:
             raise
@@ -195,7 +205,7 @@ async def node(request: web.Request) -> web.Response:
 
 async def cluster(request: web.Request) -> web.Response:
     """Every node the mesh knows; a broker in no cluster is a cluster of one."""
-    mesh = request.app[MESH]
+    mesh = request.app[MESH].mesh
     if mesh is not None:
         return web.json_response(mesh.cluster_json())
     broker = request.app[BROKER]
@@ -211,7 +221,7 @@ def _admin(request: web.Request) -> None:
 
 
 def _mesh(request: web.Request) -> Mesh:
-    mesh: Mesh | None = request.app[MESH]
+    mesh = request.app[MESH].mesh
     if mesh is None:
         raise Refusal(
             FailureCode.CAPABILITY_UNAVAILABLE,
@@ -241,6 +251,11 @@ async def list_nodes(request: web.Request) -> web.Response:
 async def remove_node(request: web.Request) -> web.Response:
     _admin(request)
     return web.json_response(_mesh(request).remove(request.match_info["id"]))
+
+
+async def approve_node(request: web.Request) -> web.Response:
+    _admin(request)
+    return web.json_response(_mesh(request).approve(request.match_info["id"]))
 
 
 async def list_keys(request: web.Request) -> web.Response:
@@ -276,14 +291,14 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(OPENAPI)
 
 
-def make_app(broker: Broker, mesh: Mesh | None = None) -> web.Application:
+def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None) -> web.Application:
     config = broker.config
     app = web.Application(middlewares=[api_middleware], client_max_size=config.max_body)
     app[BROKER] = broker
     app[CONFIG] = config
     app[CONFIG_HOSTS] = _allowed_hosts(config)
     app[METRICS] = Metrics(broker)
-    app[MESH] = mesh
+    app[MESH] = mesh if isinstance(mesh, MeshSlot) else MeshSlot(mesh)
     app.router.add_post("/v1/leases", create_lease)
     app.router.add_get("/v1/leases", list_leases)
     app.router.add_get("/v1/leases/{id}", get_lease)
@@ -295,6 +310,7 @@ def make_app(broker: Broker, mesh: Mesh | None = None) -> web.Application:
     app.router.add_post("/v1/cluster/invites", create_invite)
     app.router.add_get("/v1/cluster/nodes", list_nodes)
     app.router.add_delete("/v1/cluster/nodes/{id}", remove_node)
+    app.router.add_post("/v1/cluster/nodes/{id}/approve", approve_node)
     app.router.add_get("/v1/cluster/keys", list_keys)
     app.router.add_post("/v1/cluster/keys", change_keys)
     app.router.add_get("/v1/events", events)

@@ -154,6 +154,14 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/v1/cluster/nodes/{id}/approve": {
+            "post": {
+                "operationId": "approveNode",
+                "summary": "admit a node that asked to join (found by mDNS or given this node as a peer)",
+                "parameters": [_ID],
+                "responses": {"200": _json({"type": "object", "required": ["members"]}, "the members"), **_error_responses(403, 404, 409)},
+            }
+        },
         "/v1/cluster/keys": {
             "get": {
                 "operationId": "listKeys",
