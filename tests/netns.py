@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conftest import wait_for
+
+from gpubroker.client import Client, ClientError, Endpoint
 
 
 def _ip(*args: str) -> None:
@@ -79,3 +87,101 @@ class Lan:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
         if "bridge" in self.made:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+@dataclass
+class NsBroker:
+    lan: Lan
+    index: int
+    root: Path
+    gpus: str
+    proc: subprocess.Popen[str] | None = None
+
+    @property
+    def state(self) -> Path:
+        return self.root / f"state{self.index}"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / f"api{self.index}.sock"
+
+    @property
+    def client(self) -> Client:
+        return Client(Endpoint(f"unix:{self.socket}"), timeout=10)
+
+    def init(self) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "gpubroker", "init", "--state", str(self.state), "--name", f"node{self.index}"],
+            check=True,
+            capture_output=True,
+        )
+
+    def start(self, *extra: str) -> None:
+        argv = [
+            sys.executable, "-m", "gpubroker", "up", "--state", str(self.state), "--socket", str(self.socket),
+            "--listen", "127.0.0.1:9740", "--simulate-gpus", self.gpus, "--gossip", "0.0.0.0:9741",
+            "--advertise", self.lan.address(self.index), "--name", f"node{self.index}", *extra,
+        ]  # fmt: skip
+        log = open(self.root / f"log{self.index}", "a")  # noqa: SIM115 - kept open for the process's life
+        self.proc = self.lan.run(self.index, argv, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: self._ready(), timeout=20)
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError((self.root / f"log{self.index}").read_text())
+        try:
+            self.client.call("GET", "/healthz")
+        except ClientError:
+            return False
+        return True
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def cluster(self) -> dict[str, Any]:
+        answer: dict[str, Any] = self.client.call("GET", "/v1/cluster")
+        return answer
+
+    def sees(self) -> dict[str, str]:
+        """Node name → membership state, as this broker sees the cluster."""
+        return {n["name"]: n["state"] for n in self.cluster()["nodes"]}
+
+    def document_of(self, name: str) -> dict[str, Any] | None:
+        for node in self.cluster()["nodes"]:
+            if node["name"] == name:
+                document: dict[str, Any] | None = node.get("document")
+                return document
+        return None
+
+
+def timed(condition: Callable[[], bool], timeout: float) -> float:
+    started = time.monotonic()
+    wait_for(condition, timeout=timeout, interval=0.05)
+    return time.monotonic() - started
+
+
+def form(brokers: list[NsBroker]) -> float:
+    """Node 0 creates the cluster; the others join with its tokens. The seconds until all see all alive."""
+    first = brokers[0]
+    first.init()
+    first.start()
+    started = time.monotonic()
+    for broker in brokers[1:]:
+        token = first.client.call("POST", "/v1/cluster/invites", {"ttl": "10m"})["token"]
+        broker.start("--join", token)
+    everyone = {f"node{i}": "alive" for i in range(len(brokers))}
+    wait_for(
+        lambda: all(b.sees() == everyone and all(b.document_of(n) or n == f"node{b.index}" for n in everyone) for b in brokers), 30, 0.05
+    )
+    return time.monotonic() - started

@@ -8,98 +8,18 @@ machine where it says so.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import wait_for
-from netns import Lan, available
+from netns import Lan, NsBroker, available, form, timed
 
-from gpubroker.client import Client, ClientError, Endpoint
+from gpubroker.client import ClientError
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available(), reason="network namespaces need root and iproute2")]
 GIB = 2**30
-
-
-@dataclass
-class NsBroker:
-    lan: Lan
-    index: int
-    root: Path
-    gpus: str
-    proc: subprocess.Popen[str] | None = None
-
-    @property
-    def state(self) -> Path:
-        return self.root / f"state{self.index}"
-
-    @property
-    def socket(self) -> Path:
-        return self.root / f"api{self.index}.sock"
-
-    @property
-    def client(self) -> Client:
-        return Client(Endpoint(f"unix:{self.socket}"), timeout=10)
-
-    def init(self) -> None:
-        subprocess.run(
-            [sys.executable, "-m", "gpubroker", "init", "--state", str(self.state), "--name", f"node{self.index}"],
-            check=True,
-            capture_output=True,
-        )
-
-    def start(self, *extra: str) -> None:
-        argv = [
-            sys.executable, "-m", "gpubroker", "up", "--state", str(self.state), "--socket", str(self.socket),
-            "--listen", "127.0.0.1:9740", "--simulate-gpus", self.gpus, "--gossip", "0.0.0.0:9741",
-            "--advertise", self.lan.address(self.index), "--name", f"node{self.index}", *extra,
-        ]  # fmt: skip
-        log = open(self.root / f"log{self.index}", "a")  # noqa: SIM115 - kept open for the process's life
-        self.proc = self.lan.run(self.index, argv, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: self._ready(), timeout=20)
-
-    def _ready(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError((self.root / f"log{self.index}").read_text())
-        try:
-            self.client.call("GET", "/healthz")
-        except ClientError:
-            return False
-        return True
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def cluster(self) -> dict[str, Any]:
-        answer: dict[str, Any] = self.client.call("GET", "/v1/cluster")
-        return answer
-
-    def sees(self) -> dict[str, str]:
-        """Node name → membership state, as this broker sees the cluster."""
-        return {n["name"]: n["state"] for n in self.cluster()["nodes"]}
-
-    def document_of(self, name: str) -> dict[str, Any] | None:
-        for node in self.cluster()["nodes"]:
-            if node["name"] == name:
-                document: dict[str, Any] | None = node.get("document")
-                return document
-        return None
 
 
 @pytest.fixture
@@ -111,28 +31,6 @@ def three(tmp_path: Path) -> Iterator[list[NsBroker]]:
         finally:
             for broker in brokers:
                 broker.stop()
-
-
-def timed(condition: Callable[[], bool], timeout: float) -> float:
-    started = time.monotonic()
-    wait_for(condition, timeout=timeout, interval=0.05)
-    return time.monotonic() - started
-
-
-def form(brokers: list[NsBroker]) -> float:
-    """Node 0 creates the cluster; the others join with its tokens. The seconds until all see all alive."""
-    first = brokers[0]
-    first.init()
-    first.start()
-    started = time.monotonic()
-    for broker in brokers[1:]:
-        token = first.client.call("POST", "/v1/cluster/invites", {"ttl": "10m"})["token"]
-        broker.start("--join", token)
-    everyone = {f"node{i}": "alive" for i in range(len(brokers))}
-    wait_for(
-        lambda: all(b.sees() == everyone and all(b.document_of(n) or n == f"node{b.index}" for n in everyone) for b in brokers), 30, 0.05
-    )
-    return time.monotonic() - started
 
 
 def test_three_brokers_join_with_tokens_share_figures_and_leases_and_hint_elsewhere(three: list[NsBroker]) -> None:
