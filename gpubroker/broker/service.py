@@ -866,6 +866,11 @@ class Broker:
         if writes:
             self.store.submit(list(writes))
 
+    @property
+    def last_event_seq(self) -> int:
+        """The seq of the newest event recorded; it may still be on its way to the store."""
+        return self._event_seq
+
     def events(self, after: int, limit: int) -> tuple[list[dict[str, Any]], int]:
         events = self.store.events_after(after, limit)
         for event in events:

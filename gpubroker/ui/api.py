@@ -203,14 +203,18 @@ async def node(request: web.Request) -> web.Response:
     return web.json_response(request.app[BROKER].node_json())
 
 
-async def cluster(request: web.Request) -> web.Response:
+def cluster_view(app: web.Application) -> dict[str, Any]:
     """Every node the mesh knows; a broker in no cluster is a cluster of one."""
-    mesh = request.app[MESH].mesh
+    mesh = app[MESH].mesh
     if mesh is not None:
-        return web.json_response(mesh.cluster_json())
-    broker = request.app[BROKER]
+        return mesh.cluster_json()
+    broker = app[BROKER]
     alone = {"id": broker.node_id, "name": broker.config.name, "state": "alive", "self": True, "age": 0.0, **broker.node_json()}
-    return web.json_response({"nodes": [alone], "coordinator": {"id": broker.node_id, "epoch": 0}})
+    return {"nodes": [alone], "coordinator": {"id": broker.node_id, "epoch": 0}}
+
+
+async def cluster(request: web.Request) -> web.Response:
+    return web.json_response(cluster_view(request.app))
 
 
 def _admin(request: web.Request) -> None:
@@ -292,6 +296,8 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None) -> web.Application:
+    from gpubroker.ui import pages, stream  # they build on this module's keys
+
     config = broker.config
     app = web.Application(middlewares=[api_middleware], client_max_size=config.max_body)
     app[BROKER] = broker
@@ -317,4 +323,8 @@ def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None) -> web.Applica
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/openapi.json", openapi)
+    app[stream.STREAMS] = stream.Streams()
+    app.on_shutdown.append(stream.close_streams)
+    app.router.add_get("/v1/stream", stream.stream)
+    pages.add_routes(app)
     return app

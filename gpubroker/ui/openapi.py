@@ -217,6 +217,21 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/v1/stream": {
+            "get": {
+                "operationId": "streamEvents",
+                "summary": "the events as Server-Sent Events (id: seq, event: type, data: the event); `cluster` when the view changes",
+                "x-stream": True,
+                "parameters": [
+                    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer", "minimum": 0}},
+                ],
+                "responses": {
+                    "200": {"description": "an endless event stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                    **_error_responses(400, 429),
+                },
+            }
+        },
         "/metrics": {
             "get": {
                 "operationId": "metrics",

@@ -95,6 +95,7 @@ def test_the_openapi_document_names_every_endpoint(broker: BrokerProcess) -> Non
         "/v1/leases", "/v1/leases/{id}", "/v1/leases/{id}/renew", "/v1/leases/{id}/processes",
         "/v1/node", "/v1/cluster", "/v1/events", "/metrics", "/healthz", "/v1/cluster/invites",
         "/v1/cluster/nodes", "/v1/cluster/nodes/{id}", "/v1/cluster/keys", "/v1/cluster/nodes/{id}/approve",
+        "/v1/stream",
     }  # fmt: skip
     assert broker.client(tcp=True).call("GET", "/healthz")["ok"] is True
 

@@ -1,0 +1,438 @@
+"""The web UI's pages, rendered on the server from the API's own data: Cluster, Node, Leases, Events, Mesh.
+
+Standard library only (html.escape and small helpers): no template engine, no build
+step, every asset served by the binary. A page is a shell around one live region;
+`/fragment/<page>` renders that region alone, which live.js fetches again when the
+event stream says something changed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gpubroker.errors import FailureCode, NotFound
+from gpubroker.ui.api import BROKER, MESH, cluster_view
+from gpubroker.ui.stream import EVENT_TYPES
+from gpubroker.units import rfc3339
+
+STATIC = Path(__file__).parent / "static"
+GIB = 2**30
+FIGURES = ("total", "observed", "external", "resident", "leased", "reserve", "schedulable")
+EVENTS_SHOWN = 200  # newest first; older ones are in /v1/events
+EVENTS_SCANNED = 2000
+
+
+def e(value: object) -> str:
+    """Text or an attribute value, escaped (quotes included)."""
+    return escape(str(value), quote=True)
+
+
+def gib(size: int | None) -> str:
+    return "unmeasured" if size is None else f"{size / GIB:.1f} GiB"
+
+
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+def ago(seconds: float) -> str:
+    """A duration as a person reads it: "2 s", "3 min", "5 h", "2 d"."""
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min"
+    if s < 86400:
+        return f"{s // 3600} h"
+    return f"{s // 86400} d"
+
+
+def moment(at: float | str | None, now: float) -> str:
+    """A time as "3 min ago" or "in 5 min", with the exact RFC 3339 time on hover."""
+    if at is None:
+        return '<span class="muted">never</span>'
+    stamp = datetime.fromisoformat(at).timestamp() if isinstance(at, str) else at
+    exact = rfc3339(stamp)
+    words = f"{ago(now - stamp)} ago" if stamp <= now else f"in {ago(stamp - now)}"
+    return f'<time datetime="{exact}" title="{exact}">{words}</time>'
+
+
+def table(headers: Iterable[str], rows: Iterable[Iterable[str]], empty: str) -> str:
+    """Cells are HTML already (escape them on the way in)."""
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    if not body:
+        return f'<p class="muted">{e(empty)}</p>'
+    head = "".join(f"<th>{e(h)}</th>" for h in headers)
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+# ----- the cluster's GPUs, from this node's figures or another node's document ----------
+
+
+def node_gpus(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each GPU as {index, uuid, name, figures, external: [(name, bytes)], holders: [(holder, bytes)]}."""
+    if node.get("self"):
+        out = []
+        for gpu in node.get("gpus", []):
+            external: dict[str, int] = {}
+            for process in gpu.get("processes", []):
+                if process.get("lease") is None and process.get("bytes"):
+                    name = process.get("name") or "unnamed"
+                    external[name] = external.get(name, 0) + process["bytes"]
+            holders = [(lease.get("holder") or lease["id"], lease.get("bytes") or 0) for lease in gpu.get("leases", [])]
+            out.append({**gpu, "external": sorted(external.items()), "holders": holders})
+        return out
+    document = node.get("document") or {}
+    by_gpu: dict[int, list[tuple[str, int]]] = {}
+    for record in document.get("leases", []):
+        for index, size in record.get("gpus", []):
+            by_gpu.setdefault(index, []).append((record.get("holder") or record.get("id"), size))
+    return [
+        {**gpu, "external": sorted((gpu.get("external") or {}).items()), "holders": by_gpu.get(gpu.get("index"), [])}
+        for gpu in document.get("gpus", [])
+    ]
+
+
+def segments(gpu: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """The bar's (kind, label, bytes): external by process name, resident, leased by holder, reserve, schedulable.
+
+    Named parts never exceed their figure: what the names leave over is shown as its own part.
+    """
+    figures = gpu["figures"]
+    out: list[tuple[str, str, int]] = []
+
+    def split(kind: str, named: list[tuple[str, int]], whole: int, rest: str) -> None:
+        left = whole
+        for name, size in named:
+            part = min(size, left)
+            if part > 0:
+                out.append((kind, name, part))
+                left -= part
+        if left > 0:
+            out.append((kind, rest, left))
+
+    split("external", gpu["external"], figures.get("external", 0), "unattributed")
+    if figures.get("resident", 0) > 0:
+        out.append(("resident", "resident", figures["resident"]))
+    split("leased", gpu["holders"], figures.get("leased", 0), "beyond declared")
+    out.append(("reserve", "reserve", figures.get("reserve", 0)))
+    out.append(("schedulable", "schedulable", figures.get("schedulable", 0)))
+    return out
+
+
+def bar(gpu: dict[str, Any]) -> str:
+    parts = segments(gpu)
+    whole = max(gpu["figures"].get("total", 0), sum(size for _, _, size in parts), 1)
+    spans = "".join(
+        f'<span class="seg seg-{kind}" style="width:{100 * size / whole:.2f}%" data-kind="{kind}" data-label="{e(label)}" '
+        f'data-bytes="{size}" title="{e(label)}: {gib(size)}"></span>'
+        for kind, label, size in parts
+        if size > 0
+    )
+    return f'<div class="bar" role="img" aria-label="{e(figures_text(gpu))}">{spans}</div>'
+
+
+def figures_text(gpu: dict[str, Any]) -> str:
+    f = gpu["figures"]
+    external = ", ".join(f"{name} {size / GIB:.1f}" for name, size in gpu["external"])
+    holders = ", ".join(f"{name} {size / GIB:.1f}" for name, size in gpu["holders"])
+    words = [f"{gib(f.get('total'))} total", f"{f.get('external', 0) / GIB:.1f} external" + (f" ({external})" if external else "")]
+    if f.get("resident", 0) > 0:
+        words.append(f"{f['resident'] / GIB:.1f} resident")
+    words += [
+        f"{f.get('leased', 0) / GIB:.1f} leased" + (f" ({holders})" if holders else ""),
+        f"{f.get('reserve', 0) / GIB:.1f} reserve",
+        f"{f.get('schedulable', 0) / GIB:.1f} schedulable",
+    ]
+    return " · ".join(words)
+
+
+# ----- the pages' live regions ---------------------------------------------------------
+
+
+def cluster_region(request: web.Request) -> str:
+    view = cluster_view(request.app)
+    now = time.time()
+    coordinator = (view.get("coordinator") or {}).get("id")
+    totals = dict.fromkeys(("total", "external", "resident", "leased", "reserve", "schedulable"), 0)
+    cards = []
+    gpu_count = 0
+    for node in view["nodes"]:
+        gpus = node_gpus(node)
+        gpu_count += len(gpus)
+        for gpu in gpus:
+            for name in totals:
+                totals[name] += gpu["figures"].get(name, 0)
+        name = node.get("name") or (node.get("document") or {}).get("name") or node["id"]
+        badges = '<span class="badge coordinator">coordinator</span>' if node["id"] == coordinator else ""
+        if node.get("self"):
+            badges += '<span class="badge">this node</span>'
+        age = node.get("age")
+        fresh = f"seen {moment(now - age, now)}" if age is not None else '<span class="muted">no document yet</span>'
+        rows = "".join(
+            f'<li class="gpu" data-uuid="{e(gpu.get("uuid"))}"><div class="gpu-head"><span>{e(gpu.get("index"))} · {e(gpu.get("name"))}</span>'
+            f'<code>{e(gpu.get("uuid"))}</code></div>{bar(gpu)}<p class="figures">{e(figures_text(gpu))}</p></li>'
+            for gpu in gpus
+        )
+        problem = node.get("driver_error") or (node.get("document") or {}).get("driver_error")
+        warning = f'<p class="warning">driver: {e(problem)}</p>' if problem else ""
+        cards.append(
+            f'<article class="card node state-{e(node.get("state"))}" data-node="{e(node["id"])}">'
+            f'<header><h2>{e(name)}</h2>{badges}<span class="state">{e(node.get("state"))}</span><span class="fresh">{fresh}</span></header>'
+            f'{warning}<ul class="gpus">{rows or "<li class=muted>no GPUs</li>"}</ul></article>'
+        )
+    summary = " · ".join(f"{totals[k] / GIB:.1f} GiB {k}" for k in totals if k != "resident" or totals[k])
+    return (
+        f'<section class="totals"><h1>Cluster</h1><p>{plural(len(view["nodes"]), "node")} · {plural(gpu_count, "GPU")} · {e(summary)}</p>{legend()}</section>'
+        f'<div class="cards">{"".join(cards)}</div>'
+    )
+
+
+def legend() -> str:
+    kinds = ("external", "resident", "leased", "reserve", "schedulable")
+    return '<p class="legend">' + "".join(f'<span><i class="seg-{k}"></i>{k}</span>' for k in kinds) + "</p>"
+
+
+def node_region(request: web.Request) -> str:
+    broker = request.app[BROKER]
+    node = broker.node_json()
+    rows = []
+    for gpu in node["gpus"]:
+        figures = [gib(gpu["figures"].get(name)) for name in FIGURES]
+        processes = "".join(
+            f"<li>{e(p['pid'])} {e(p.get('name') or 'unnamed')} · {gib(p.get('bytes'))} · "
+            + (f"<code>{e(p['lease'])}</code>" if p.get("lease") else '<span class="muted">no lease</span>')
+            + "</li>"
+            for p in gpu.get("processes", [])
+        )
+        rows.append(
+            [
+                e(gpu["index"]),
+                e(gpu["name"]),
+                f"<code>{e(gpu['uuid'])}</code>",
+                *figures,
+                f'<ul class="plain">{processes}</ul>' if processes else "—",
+            ]
+        )
+    cpu, memory = node.get("cpu", {}), node.get("memory", {})
+    budgets = table(
+        ("budget", "total", "leased", "schedulable"),
+        [
+            ["CPU cores", e(cpu.get("cores")), e(cpu.get("leased")), e(cpu.get("schedulable"))],
+            ["host memory", gib(memory.get("total")), gib(memory.get("leased")), gib(memory.get("schedulable"))],
+        ],
+        "no budgets",
+    )
+    error = f'<p class="warning">driver: {e(node["driver_error"])}</p>' if node.get("driver_error") else ""
+    queue = ", ".join(f"{e(k)} {e(v)}" for k, v in node.get("queue", {}).items())
+    return (
+        f'<h1>Node {e(node["node"]["name"])}</h1><p class="muted"><code>{e(node["node"]["id"])}</code> · '
+        f"gpubroker {e(node['node']['version'])} · queue: {queue}</p>{error}"
+        f"<h2>GPUs</h2>{table(('#', 'name', 'UUID', *FIGURES, 'processes'), rows, 'no GPUs')}<h2>CPU and memory</h2>{budgets}"
+    )
+
+
+def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
+    """One row per lease across the cluster (this node's own list, the others' documents), and each node's queue."""
+    broker = request.app[BROKER]
+    view = cluster_view(request.app)
+    rows: list[dict[str, Any]] = []
+    queues: dict[str, dict[str, int]] = {}
+    for node in view["nodes"]:
+        name = node.get("name") or (node.get("document") or {}).get("name") or node["id"]
+        if node.get("self"):
+            queues[name] = dict(node.get("queue", {}))
+            for lease in broker.list_leases(None, 1000):
+                queued = lease["state"] == "queued"
+                rows.append(
+                    {
+                        "id": lease["id"],
+                        "holder": lease["holder"].get("name"),
+                        "node": name,
+                        "gpus": "" if queued else ", ".join(str(g["index"]) for g in lease.get("gpus", [])),
+                        "bytes": lease["request"]["gpu_memory"] if queued else sum(g["bytes"] for g in lease.get("gpus", [])),
+                        "priority": lease["priority"],
+                        "preemption": lease["preemption"],
+                        "since": lease["queued_at"] if queued else lease["granted_at"],
+                        "expires": None if queued else lease["expires_at"],
+                        "state": lease["state"],
+                    }
+                )
+            continue
+        document = node.get("document") or {}
+        queues[name] = dict(document.get("queue", {}))
+        for record in document.get("leases", []):
+            rows.append(
+                {
+                    "id": record.get("id"),
+                    "holder": record.get("holder"),
+                    "node": name,
+                    "gpus": ", ".join(str(index) for index, _ in record.get("gpus", [])),
+                    "bytes": sum(size for _, size in record.get("gpus", [])),
+                    "priority": record.get("priority"),
+                    "preemption": None,  # not in a node document
+                    "since": None,
+                    "expires": record.get("expires_at"),
+                    "state": "granted",
+                }
+            )
+    return rows, queues
+
+
+def leases_region(request: web.Request) -> str:
+    now = time.time()
+    rows, queues = lease_rows(request)
+    state = request.query.get("state", "")
+    node = request.query.get("node", "")
+    shown = [r for r in rows if (not state or r["state"] == state) and (not node or r["node"] == node)]
+    states = sorted({r["state"] for r in rows} | {"granted", "queued"})
+    options = "".join(f'<option value="{e(s)}"{" selected" if s == state else ""}>{e(s)}</option>' for s in states)
+    nodes = "".join(f'<option value="{e(n)}"{" selected" if n == node else ""}>{e(n)}</option>' for n in queues)
+    form = (
+        '<form class="filters" method="get" action="/leases"><label>state <select name="state"><option value="">any</option>'
+        f'{options}</select></label><label>node <select name="node"><option value="">any</option>{nodes}</select></label>'
+        "<button>filter</button></form>"
+    )
+    cells = [
+        [
+            f'<span class="holder">{e(r["holder"] or "—")}</span>',
+            e(r["node"]),
+            e(r["gpus"] or "—"),
+            gib(r["bytes"]),
+            e(r["priority"]),
+            e(r["preemption"] or "—"),
+            moment(r["since"], now) if r["since"] else "—",
+            moment(r["expires"], now) if r["expires"] else "—",
+            f'<span class="state state-{e(r["state"])}">{e(r["state"])}</span>',
+            f"<code>{e(r['id'])}</code>",
+        ]
+        for r in shown
+    ]
+    classes = sorted({c for q in queues.values() for c in q})
+    queue_rows = [[e(name), *(e(q.get(c, 0)) for c in classes)] for name, q in queues.items()]
+    return (
+        f"<h1>Leases</h1>{form}"
+        + table(("holder", "node", "GPU", "bytes", "class", "preemption", "age", "expiry", "state", "id"), cells, "no leases")
+        + "<h2>Queue per class</h2>"
+        + table(("node", *classes), queue_rows, "no queue")
+    )
+
+
+def events_region(request: web.Request) -> str:
+    broker = request.app[BROKER]
+    now = time.time()
+    code = request.query.get("code", "")
+    newest = broker.last_event_seq
+    found, _ = broker.events(max(0, newest - EVENTS_SCANNED), EVENTS_SCANNED)
+    shown = [event for event in reversed(found) if not code or event.get("code") == code][:EVENTS_SHOWN]
+    options = "".join(f'<option value="{c.value}"{" selected" if c.value == code else ""}>{c.value}</option>' for c in FailureCode)
+    form = (
+        '<form class="filters" method="get" action="/events"><label>code <select name="code"><option value="">any</option>'
+        f"{options}</select></label><button>filter</button></form>"
+    )
+    items = []
+    for event in shown:
+        details = " ".join(f"<code>{e(k)}={e(v)}</code>" for k, v in event.get("details", {}).items())
+        items.append(
+            f'<li class="event" data-seq="{e(event["seq"])}" data-type="{e(event["type"])}" data-code="{e(event.get("code", ""))}">'
+            f'<span class="when">{moment(event["time"], now)}</span> <strong>{e(event["type"])}</strong>'
+            + (f' <span class="badge">{e(event["code"])}</span>' if event.get("code") else "")
+            + f'<p>{e(event["message"])}</p><p class="details">{details}</p></li>'
+        )
+    body = f'<ol class="events">{"".join(items)}</ol>' if items else '<p class="muted">no events</p>'
+    return f"<h1>Events</h1>{form}{body}"
+
+
+def mesh_region(request: web.Request) -> str:
+    mesh = request.app[MESH].mesh
+    if mesh is None:
+        return (
+            '<h1>Mesh</h1><p class="muted">This node belongs to no cluster: it is a cluster of one. '
+            "Run <code>gpubroker init</code> to start a cluster, or <code>gpubroker up --join TOKEN</code> to join one.</p>"
+        )
+    now = time.time()
+    view = cluster_view(request.app)
+    nodes = mesh.nodes_json()
+    by_id = {node["id"]: node for node in view["nodes"]}
+    coordinator = view.get("coordinator") or {}
+    rows = []
+    for member in nodes["members"]:
+        seen = by_id.get(member["id"], {})
+        age = seen.get("age")
+        rows.append(
+            [
+                e(member["name"])
+                + (' <span class="badge coordinator">coordinator</span>' if member["id"] == coordinator.get("id") else ""),
+                f"<code>{e(member['id'])}</code>",
+                f'<span class="state state-{e(seen.get("state") or member["state"])}">{e(seen.get("state") or member["state"])}</span>',
+                e(seen.get("incarnation", "—")),
+                e(seen.get("addr", "—")),
+                moment(now - age, now) if age is not None else "—",
+            ]
+        )
+    pending = [[e(p["name"]), f"<code>{e(p['id'])}</code>", e(p["addr"]), f"<code>{e(p['fingerprint'])}</code>"] for p in nodes["pending"]]
+    epoch = coordinator.get("epoch", "—")
+    return (
+        f"<h1>Mesh</h1><p>coordinator <code>{e(coordinator.get('id', 'none'))}</code> · epoch {e(epoch)} · "
+        f"{len(nodes['removed'])} removed</p>"
+        + table(("name", "id", "state", "incarnation", "address", "document"), rows, "no members")
+        + "<h2>Pending nodes</h2>"
+        + table(("name", "id", "address", "fingerprint"), pending, "none waiting; approve one with `gpubroker nodes approve ID`")
+    )
+
+
+# ----- the shell and the routes --------------------------------------------------------
+
+Region = Callable[[web.Request], str]
+PAGES: dict[str, tuple[str, str, Region]] = {
+    "cluster": ("/", "Cluster", cluster_region),
+    "node": ("/node", "Node", node_region),
+    "leases": ("/leases", "Leases", leases_region),
+    "events": ("/events", "Events", events_region),
+    "mesh": ("/mesh", "Mesh", mesh_region),
+}
+
+
+def shell(request: web.Request, page: str, region: str) -> str:
+    path, title, _ = PAGES[page]
+    nav = "".join(
+        f'<a href="{p}"' + (' aria-current="page"' if name == page else "") + f">{label}</a>" for name, (p, label, _) in PAGES.items()
+    )
+    node = request.app[BROKER].config.name
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{e(title)} · {e(node)} · gpubroker</title>"
+        '<link rel="stylesheet" href="/static/style.css"><script src="/static/live.js" defer></script></head>'
+        f'<body data-events="{" ".join(EVENT_TYPES)}"><header class="top"><a class="brand" href="/">gpubroker</a>'
+        f'<span class="muted">{e(node)}</span><nav>{nav}</nav><span id="live-state" class="live-state" title="live updates">offline</span></header>'
+        f'<main id="live" data-fragment="/fragment/{page}">{region}</main></body></html>'
+    )
+
+
+def _page(page: str) -> Callable[[web.Request], Any]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text=shell(request, page, PAGES[page][2](request)), content_type="text/html", charset="utf-8")
+
+    return handler
+
+
+async def fragment(request: web.Request) -> web.Response:
+    page = PAGES.get(request.match_info["page"])
+    if page is None:
+        raise NotFound(f"no such page: {request.match_info['page']}", {"page": request.match_info["page"]})
+    return web.Response(text=page[2](request), content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
+
+
+def add_routes(app: web.Application) -> None:
+    for name, (path, _, _) in PAGES.items():
+        app.router.add_get(path, _page(name))
+    app.router.add_get("/fragment/{page}", fragment)
+    app.router.add_static("/static", STATIC)

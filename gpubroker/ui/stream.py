@@ -1,0 +1,167 @@
+"""Server-Sent Events at /v1/stream: each broker event as it is recorded, and the mesh's view when it changes.
+
+A stream resumes after `Last-Event-ID` (or `?after=`), says `: heartbeat` when it has
+been quiet for HEARTBEAT_EVERY, and sends a `cluster` message (no id) when the view
+changes. The browser never polls: the server looks at in-memory state on a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gpubroker.broker.lease import ENDED
+from gpubroker.errors import FailureCode, InvalidRequest, Refusal
+from gpubroker.ui.api import BROKER, cluster_view
+
+HEARTBEAT_EVERY = 15.0  # seconds of quiet before a comment line; proxies drop idle connections
+POLL_EVERY = 0.2  # how often a stream compares the broker's newest event seq (an int in memory) with its own
+CLUSTER_EVERY = 1.0  # the mesh's view is looked at no more often than this
+MAX_STREAMS = 32  # each browser holds one (its tabs share it); more than this is a leak somewhere
+REPLAY_BATCH = 500
+
+# Every type the broker and the mesh record; the pages name them so live.js can listen for each
+# (EventSource dispatches a named event only to a listener for that name).
+EVENT_TYPES = (
+    "broker.started",
+    "gpu.driver_error",
+    "gpu.driver_ok",
+    "gpu.memory_not_reclaimed",
+    "gpu.pressure.started",
+    "gpu.pressure.ended",
+    "lease.queued",
+    "lease.granted",
+    "lease.refused",
+    "lease.cancelled",
+    "lease.over_declared",
+    *(f"lease.{state}" for state in ENDED),
+    "mesh.ask",
+    "mesh.coordinator",
+    "mesh.invite",
+    "mesh.join.admitted",
+    "mesh.join.approved",
+    "mesh.join.refused",
+    "mesh.keys",
+    "mesh.member.alive",
+    "mesh.member.dead",
+    "mesh.member.joined",
+    "mesh.member.left",
+    "mesh.member.removed",
+    "mesh.node.pending",
+    "mesh.removed",
+    "cluster",
+)
+
+
+@dataclass(slots=True)
+class Streams:
+    """The open streams of one app, and the signal that ends them all when the server shuts down."""
+
+    open: int = 0
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+STREAMS = web.AppKey("streams", Streams)
+
+
+def _seq(value: str, name: str) -> int:
+    if not (value.isascii() and value.isdigit()) or int(value) > 2**62:
+        raise InvalidRequest(f"{name} must be an event seq, an integer from 0 to {2**62}, not {value!r}", {"field": name})
+    return int(value)
+
+
+def _resume_point(request: web.Request) -> int:
+    """After Last-Event-ID (a reconnecting browser sends it), else ?after=, else only what comes next."""
+    newest = request.app[BROKER].last_event_seq
+    header = request.headers.get("Last-Event-ID")
+    if header is not None:
+        return min(_seq(header.strip(), "Last-Event-ID"), newest)
+    after = request.query.get("after")
+    if after is not None:
+        return min(_seq(after, "after"), newest)
+    return newest
+
+
+def message(data: dict[str, Any], event: str, seq: int | None = None) -> bytes:
+    """One SSE message; JSON has no raw newlines, so `data` is one line."""
+    head = f"id: {seq}\n" if seq is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def cluster_summary(view: dict[str, Any]) -> dict[str, Any]:
+    """What a page shows of the view, without ages: it changes when a node, its state or its figures do."""
+    nodes = []
+    for node in view["nodes"]:
+        entry: dict[str, Any] = {"id": node["id"], "name": node.get("name"), "state": node.get("state")}
+        if "incarnation" in node:
+            entry["incarnation"] = node["incarnation"]
+        if node.get("self"):
+            entry["gpus"] = [gpu["figures"] for gpu in node.get("gpus", [])]
+            entry["queue"] = node.get("queue")
+        elif "document" in node:
+            entry["document"] = [node["document"].get("generation"), node["document"].get("version")]
+        nodes.append(entry)
+    return {"nodes": nodes, "coordinator": view.get("coordinator")}
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    broker = request.app[BROKER]
+    streams = request.app[STREAMS]
+    after = _resume_point(request)
+    if streams.open >= MAX_STREAMS:
+        raise Refusal(
+            FailureCode.QUEUE_FULL,
+            f"{streams.open} event streams are open, the most this broker serves (MAX_STREAMS {MAX_STREAMS}); "
+            "a browser needs one for all its tabs: close the streams of other clients",
+            {"open": streams.open, "limit": MAX_STREAMS},
+        )
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    streams.open += 1
+    loop = asyncio.get_running_loop()
+    try:
+        await response.prepare(request)
+        await response.write(b"retry: 2000\n: connected\n\n")
+        last_write = loop.time()
+        last_look = -CLUSTER_EVERY
+        seen: str | None = None
+        while not streams.closing.is_set():
+            if request.transport is None or request.transport.is_closing():
+                break  # the browser went away between two writes
+            now = loop.time()
+            out: list[bytes] = []
+            found: list[dict[str, Any]] = []
+            if broker.last_event_seq > after:
+                found, after = broker.events(after, REPLAY_BATCH)  # nothing yet when the event is still on its way to disk
+                out += [message(event, str(event["type"]), event["seq"]) for event in found]
+            if now - last_look >= CLUSTER_EVERY:
+                last_look = now
+                summary = cluster_summary(cluster_view(request.app))
+                key = json.dumps(summary, sort_keys=True)
+                if seen is not None and key != seen:
+                    out.append(message(summary, "cluster"))
+                seen = key
+            if not out and now - last_write >= HEARTBEAT_EVERY:
+                out.append(b": heartbeat\n\n")
+            if out:
+                await response.write(b"".join(out))
+                last_write = now
+            if len(found) == REPLAY_BATCH:
+                continue  # more to replay: no pause
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(POLL_EVERY, HEARTBEAT_EVERY)):
+                    await streams.closing.wait()
+    except ConnectionError:
+        pass  # the browser went away; its slot is free again below
+    finally:
+        streams.open -= 1
+    return response
+
+
+async def close_streams(app: web.Application) -> None:
+    """On shutdown: end every stream at once, or the server would wait for them (60 s by default)."""
+    app[STREAMS].closing.set()

@@ -1,0 +1,286 @@
+"""The web UI without a browser: pages rendered from the API's figures, and the live event stream.
+
+Pages are read from a real broker process on a simulation file; the stream's timing
+(heartbeat, cap, view changes) is tested in process, where its constants can be made small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from conftest import BrokerProcess, wait_for
+from fakes import GIB, FakeClock, FakeGpuProbe
+
+from gpubroker.broker.service import Broker
+from gpubroker.broker.store import Store
+from gpubroker.client import ClientError
+from gpubroker.config import Config
+from gpubroker.ui import stream
+from gpubroker.ui.api import make_app
+
+SIMULATION = """
+[[gpu]]
+name = "NVIDIA GeForce RTX 4090"
+memory = "24GiB"
+
+[[gpu]]
+name = "NVIDIA GeForce RTX 3090"
+memory = "24GiB"
+
+[[process]]
+gpu = 0
+pid = 900001
+name = "ollama"
+used = "6GiB"
+"""
+SCRIPT = "<script>alert(1)</script>"
+PAGES = ("/", "/node", "/leases", "/events", "/mesh")
+
+
+class Segments(HTMLParser):
+    """The bar segments of the Cluster page, by GPU uuid: [(kind, label, bytes)]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpu: str | None = None
+        self.found: dict[str, list[tuple[str, str, int]]] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attr = dict(attrs)
+        if "data-uuid" in attr:
+            self.gpu = attr["data-uuid"]
+            self.found[str(self.gpu)] = []
+        if "data-bytes" in attr and self.gpu is not None:
+            self.found[self.gpu].append((str(attr["data-kind"]), str(attr["data-label"]), int(str(attr["data-bytes"]))))
+
+
+@pytest.fixture
+def broker(broker_process: type[BrokerProcess], tmp_path: Path) -> BrokerProcess:
+    """A lone broker with ollama on GPU 0 and one granted lease whose holder's name is markup."""
+    sim = tmp_path / "gpus.toml"
+    sim.write_text(SIMULATION)
+    started = broker_process(str(sim)).start()
+    started.client(tcp=True).call("POST", "/v1/leases", {"gpu_memory": "4GiB", "gpu": 0, "holder": {"name": SCRIPT}})
+    return started
+
+
+def page(broker: BrokerProcess, path: str) -> str:
+    return broker.client(tcp=True).text(path)
+
+
+# ----- pages ---------------------------------------------------------------------------
+
+
+async def test_every_page_answers_html_and_its_assets_are_served(broker: BrokerProcess) -> None:
+    async with aiohttp.ClientSession(broker.url) as session:
+        for path in (*PAGES, "/fragment/cluster", "/leases?state=granted", "/events?code=GPU_OOM"):
+            async with session.get(path) as answer:
+                assert answer.status == 200, path
+                assert answer.content_type == "text/html", path
+                assert "</" in await answer.text()
+        for path, kind in (("/static/style.css", "text/css"), ("/static/live.js", "javascript")):
+            async with session.get(path) as answer:
+                assert answer.status == 200, path
+                assert kind in answer.content_type, path
+        async with session.get("/fragment/nowhere") as answer:
+            assert answer.status == 404
+            assert (await answer.json())["error"]["code"] == "NOT_FOUND"
+        async with session.get("/", headers={"Host": "evil.example"}) as answer:
+            assert answer.status == 403  # the Host check covers the pages too
+    shell = page(broker, "/")
+    assert 'href="/static/style.css"' in shell
+    assert 'src="/static/live.js"' in shell
+    assert "lease.granted" in shell  # the event types live.js listens for
+
+
+def test_the_cluster_page_shows_every_gpu_with_bar_segments_equal_to_the_cluster_figures(broker: BrokerProcess) -> None:
+    cluster = broker.client(tcp=True).call("GET", "/v1/cluster")
+    parser = Segments()
+    parser.feed(page(broker, "/"))
+    gpus = {gpu["uuid"]: gpu for node in cluster["nodes"] for gpu in node["gpus"]}
+    assert set(parser.found) == set(gpus) == {"GPU-sim-0", "GPU-sim-1"}
+    for uuid, gpu in gpus.items():
+        by_kind: dict[str, int] = {}
+        for kind, _, size in parser.found[uuid]:
+            by_kind[kind] = by_kind.get(kind, 0) + size
+        expected = {k: v for k, v in gpu["figures"].items() if k in ("external", "resident", "leased", "reserve", "schedulable") and v}
+        assert by_kind == expected, uuid
+    first = parser.found["GPU-sim-0"]
+    assert ("external", "ollama", 6 * GIB) in first
+    assert ("leased", SCRIPT, 4 * GIB) in first
+    assert "6.0 external (ollama 6.0)" in page(broker, "/")
+    assert "1 node · 2 GPUs" in page(broker, "/")
+
+
+def test_a_holder_name_with_markup_is_shown_escaped_on_every_page(broker: BrokerProcess) -> None:
+    for path in PAGES:
+        html = page(broker, path)
+        assert SCRIPT not in html, path
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page(broker, "/leases")
+    assert "&lt;script&gt;" in page(broker, "/")
+
+
+def test_the_node_page_lists_processes_with_their_lease_or_no_lease(broker: BrokerProcess) -> None:
+    html = page(broker, "/node")
+    for text in ("GPU-sim-0", "GPU-sim-1", "900001 ollama · 6.0 GiB", "no lease", "CPU cores", "host memory", "schedulable"):
+        assert text in html, text
+
+
+def test_the_events_page_filters_by_code(broker: BrokerProcess) -> None:
+    tcp = broker.client(tcp=True)
+    with pytest.raises(ClientError):
+        tcp.call("POST", "/v1/leases", {"gpu_memory": "100GiB"})
+    wait_for(lambda: any(e.get("code") for e in tcp.call("GET", "/v1/events", query={"limit": 1000})["events"]))
+    everything = page(broker, "/events")
+    assert 'data-type="lease.granted"' in everything
+    filtered = page(broker, "/events?code=INSUFFICIENT_SCHEDULABLE_VRAM")
+    assert 'data-code="INSUFFICIENT_SCHEDULABLE_VRAM"' in filtered
+    assert 'data-type="lease.granted"' not in filtered
+    assert "data-code=" not in filtered.replace('data-code="INSUFFICIENT_SCHEDULABLE_VRAM"', "")
+
+
+def test_the_mesh_page_of_a_lone_broker_says_how_to_make_a_cluster(broker: BrokerProcess) -> None:
+    assert "gpubroker init" in page(broker, "/mesh")
+
+
+# ----- the stream, against the real process ------------------------------------------------
+
+
+async def read_messages(answer: aiohttp.ClientResponse, count: int, within: float = 3.0) -> list[dict[str, str]]:
+    """The next `count` SSE blocks (messages or comments) as {field: value}; a comment is {"comment": text}."""
+    found: list[dict[str, str]] = []
+    block: dict[str, str] = {}
+    async with asyncio.timeout(within):
+        while len(found) < count:
+            line = (await answer.content.readline()).decode().rstrip("\n")
+            if not line:
+                if block:
+                    found.append(block)
+                block = {}
+            elif line.startswith(":"):
+                block["comment"] = line[1:].strip()
+            else:
+                name, _, value = line.partition(": ")
+                block[name] = value
+    return found
+
+
+async def test_a_new_lease_reaches_an_open_stream_within_3_seconds(broker: BrokerProcess) -> None:
+    async with aiohttp.ClientSession(broker.url) as session, session.get("/v1/stream") as answer:
+        assert answer.status == 200
+        assert answer.content_type == "text/event-stream"
+        assert (await read_messages(answer, 1))[0]["comment"] == "connected"
+        await asyncio.to_thread(broker.client(tcp=True).call, "POST", "/v1/leases", {"gpu_memory": "1GiB", "holder": {"name": "late"}})
+        async with asyncio.timeout(3):  # a cluster message may come first: the lease changed the figures
+            while (message := (await read_messages(answer, 1))[0]).get("event") != "lease.granted":
+                pass
+        event = json.loads(message["data"])
+        assert int(message["id"]) == event["seq"]
+        assert event["type"] == "lease.granted"
+
+
+# ----- the stream, in process ----------------------------------------------------------------
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[tuple[TestClient[Any, Any], Broker, FakeGpuProbe]]:
+    clock = FakeClock()
+    probe = FakeGpuProbe(clock, [24 * GIB])
+    config = replace(Config(state_dir=tmp_path / "state", name="tower"))
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), probe, clock)
+    await broker.start()
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker)))
+    await client.start_server()
+    try:
+        yield client, broker, probe
+    finally:
+        await client.close()
+        await broker.close()
+
+
+async def lease(client: TestClient[Any, Any]) -> dict[str, Any]:
+    answer = await client.post("/v1/leases", json={"gpu_memory": "1GiB"})
+    assert answer.status == 201
+    made: dict[str, Any] = (await answer.json())["lease"]
+    return made
+
+
+async def test_the_stream_replays_the_events_after_last_event_id_then_sends_heartbeats(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, broker, _ = served
+    monkeypatch.setattr(stream, "HEARTBEAT_EVERY", 0.1)
+    for _ in range(3):
+        await lease(client)
+    await broker.store.commit([])  # the writer is first in, first out: every event is on disk now
+    granted = [e for e in broker.events(0, 100)[0] if e["type"] == "lease.granted"]
+    assert len(granted) == 3
+    for resume in ({"headers": {"Last-Event-ID": str(granted[0]["seq"])}}, {"params": {"after": str(granted[0]["seq"])}}):
+        async with client.get("/v1/stream", **resume) as answer:
+            messages = await read_messages(answer, 4)
+            assert messages[0] == {"retry": "2000", "comment": "connected"}
+            assert [(m["id"], m["event"]) for m in messages[1:3]] == [(str(e["seq"]), "lease.granted") for e in granted[1:]]
+            assert json.loads(messages[1]["data"])["seq"] == granted[1]["seq"]
+            assert messages[3] == {"comment": "heartbeat"}
+
+
+async def test_a_stream_with_a_malformed_resume_point_is_refused_in_the_one_error_shape(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    client, _, _ = served
+    for resume in ({"headers": {"Last-Event-ID": "soon"}}, {"params": {"after": "-1"}}):
+        answer = await client.get("/v1/stream", **resume)
+        assert answer.status == 400
+        assert set((await answer.json())["error"]) == {"code", "message", "details"}
+
+
+async def test_streams_beyond_the_cap_are_refused_with_429_until_one_closes(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, _, _ = served
+    monkeypatch.setattr(stream, "MAX_STREAMS", 2)
+    first = await client.get("/v1/stream")
+    second = await client.get("/v1/stream")
+    await read_messages(first, 1)
+    await read_messages(second, 1)
+    refused = await client.get("/v1/stream")
+    assert refused.status == 429
+    error = (await refused.json())["error"]
+    assert error["code"] == "QUEUE_FULL"
+    assert error["details"] == {"open": 2, "limit": 2}
+    assert "MAX_STREAMS 2" in error["message"]
+    first.close()
+    async with asyncio.timeout(3):
+        while (again := await client.get("/v1/stream")).status == 429:
+            again.release()
+            await asyncio.sleep(0.05)
+    assert again.status == 200
+    again.close()
+    second.close()
+
+
+async def test_a_cluster_message_is_sent_when_the_view_changes_and_only_then(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, broker, probe = served
+    monkeypatch.setattr(stream, "CLUSTER_EVERY", 0.05)
+    monkeypatch.setattr(stream, "HEARTBEAT_EVERY", 0.3)
+    async with client.get("/v1/stream") as answer:
+        await read_messages(answer, 1)
+        assert await read_messages(answer, 1) == [{"comment": "heartbeat"}]  # nothing changed: no cluster message
+        probe.external(0, 6 * GIB)
+        await broker.sample()
+        message = (await read_messages(answer, 1))[0]
+        assert message["event"] == "cluster"
+        assert "id" not in message  # a view is not an event: it must not move Last-Event-ID
+        summary = json.loads(message["data"])
+        assert summary["nodes"][0]["gpus"][0]["external"] == 6 * GIB
