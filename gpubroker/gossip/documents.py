@@ -59,6 +59,8 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
             "holder": lease["holder"].get("name"),
             "priority": lease["priority"],
             "gpus": [[g["index"], g["bytes"]] for g in lease.get("gpus", [])],
+            "preemption": lease.get("preemption"),
+            "granted_at": lease.get("granted_at"),
             "expires_at": lease["expires_at"],
         }
         for lease in leases

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from gpubroker.gossip.mesh import Mesh
 
 BROKER = web.AppKey("broker", Broker)
+CALLER = web.RequestKey("caller", Caller)
 CONFIG = web.AppKey("config", Config)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG_HOSTS = web.AppKey("allowed_hosts", frozenset)
@@ -93,15 +94,14 @@ def _check_host(request: web.Request) -> None:
 
 def _caller(request: web.Request) -> Caller:
     """On the Unix socket the kernel names the caller (SO_PEERCRED); on TCP nobody does."""
-    cached = request.get("caller")
-    if isinstance(cached, Caller):
-        return cached
+    if CALLER in request:
+        return request[CALLER]
     sock = request.transport.get_extra_info("socket") if request.transport else None
     caller = Caller("tcp")
     if sock is not None and sock.family == socket.AF_UNIX:
         pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         caller = Caller("unix", uid=uid, pid=pid or None)
-    request["caller"] = caller
+    request[CALLER] = caller
     return caller
 
 

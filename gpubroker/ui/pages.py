@@ -277,8 +277,8 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
                     "gpus": ", ".join(str(index) for index, _ in record.get("gpus", [])),
                     "bytes": sum(size for _, size in record.get("gpus", [])),
                     "priority": record.get("priority"),
-                    "preemption": None,  # not in a node document
-                    "since": None,
+                    "preemption": record.get("preemption"),
+                    "since": record.get("granted_at"),
                     "expires": record.get("expires_at"),
                     "state": "granted",
                 }

@@ -157,7 +157,15 @@ def test_the_summary_rounds_figures_and_names_external_processes() -> None:
     assert gpu["figures"]["external"] % ROUNDING == 0
     assert gpu["external"] == {"ollama": 6 * GIB}
     assert body["leases"] == [
-        {"id": "l-1", "holder": "train", "priority": "background", "gpus": [[0, GIB]], "expires_at": "2026-11-30T10:00:00.000Z"}
+        {
+            "id": "l-1",
+            "holder": "train",
+            "priority": "background",
+            "gpus": [[0, GIB]],
+            "preemption": None,
+            "granted_at": None,
+            "expires_at": "2026-11-30T10:00:00.000Z",
+        }
     ]
     assert body["queue"] == {"background": 2}
     assert body["memory"]["total"] == 64 * GIB
