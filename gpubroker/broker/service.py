@@ -14,6 +14,7 @@ import pwd
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -339,18 +340,26 @@ class Broker:
 
     # ----- requests -------------------------------------------------------
 
-    async def request(self, request: LeaseRequest, caller: Caller) -> tuple[Lease, str]:
-        """Grant now, wait in the queue, or refuse: the lease and its token, or a BrokerError."""
+    async def request(
+        self, request: LeaseRequest, caller: Caller, while_syncing: Callable[[Lease, str], None] | None = None
+    ) -> tuple[Lease, str]:
+        """Grant now, wait in the queue, or refuse: the lease and its token, or a BrokerError.
+
+        `while_syncing(lease, token)` runs once a grant is decided and handed to the disk, while
+        the writer thread syncs it (an answer can be prepared then); it may not run at all.
+        """
         started = time.perf_counter()
         try:
-            lease, token = await self._request(request, caller)
+            lease, token = await self._request(request, caller, while_syncing)
         except BrokerError as error:
             self.stats.record(error.code.value, time.perf_counter() - started)
             raise
         self.stats.record("GRANTED", time.perf_counter() - started)
         return lease, token
 
-    async def _request(self, request: LeaseRequest, caller: Caller) -> tuple[Lease, str]:
+    async def _request(
+        self, request: LeaseRequest, caller: Caller, while_syncing: Callable[[Lease, str], None] | None = None
+    ) -> tuple[Lease, str]:
         now = self.clock.now()
         holder = Holder(name=request.holder_name)
         if caller.transport == "unix" and caller.pid is not None:
@@ -410,7 +419,7 @@ class Broker:
         blocked = self._claimed_ahead(waiter)
         decision = self._place(request, blocked)
         if isinstance(decision, Placement):
-            return await self._grant_now(waiter, decision)
+            return await self._grant_now(waiter, decision, while_syncing)
         if not waits:
             raise self._refused(request, decision)
         if request.deadline is not None and self._hopeless(request):
@@ -527,13 +536,17 @@ class Broker:
                 raise InvalidRequest(f"holder pid {holder.pid} exited before its lease could be granted", {"field": "holder"})
         return lease, token, writes
 
-    async def _grant_now(self, waiter: Waiter, placement: Placement) -> tuple[Lease, str]:
+    async def _grant_now(
+        self, waiter: Waiter, placement: Placement, while_syncing: Callable[[Lease, str], None] | None = None
+    ) -> tuple[Lease, str]:
         lease, token, writes = self._grant(waiter, placement)
-        await self._make_durable(lease, writes)
+        await self._make_durable(lease, writes, None if while_syncing is None else lambda: while_syncing(lease, token))
         return lease, token
 
-    async def _make_durable(self, lease: Lease, writes: list[Write]) -> None:
+    async def _make_durable(self, lease: Lease, writes: list[Write], meanwhile: Callable[[], None] | None = None) -> None:
         commit = self.store.commit(writes)
+        if meanwhile is not None:
+            meanwhile()  # the writer thread syncs without the GIL: this work costs the answer nothing
         try:
             # Commit before replying: a crash in between must leave a lease without a
             # client, never a client without a lease.

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gpubroker.broker.lease import ENDED, LIVE
+from gpubroker.broker.lease import ENDED, LIVE, Lease
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.config import Config
@@ -135,15 +135,22 @@ def _token(request: web.Request) -> str | None:
 async def create_lease(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     lease_request = parse_request(await _json_body(request))
+    prepared: list[bytes] = []
+
+    def prepare(lease: Lease, token: str) -> None:
+        prepared.append(json.dumps({"lease": lease.to_json(token)}).encode())
+
     try:
-        lease, token = await broker.request(lease_request, _caller(request))
+        lease, token = await broker.request(lease_request, _caller(request), prepare)
     except Refusal as refusal:
         mesh = request.app[MESH].mesh
         if mesh is not None and refusal.code in ROOM_CODES and lease_request.wants_gpus:
             # A hint, never a decision: where the documents show room now, with how fresh each is.
             refusal.details["elsewhere"] = mesh.elsewhere(lease_request.gpu_memory, lease_request.gpus)
         raise
-    return web.json_response({"lease": lease.to_json(token)}, status=201)
+    # An answer prepared while the grant was syncing, when it was granted at once; else made now.
+    body = prepared[0] if prepared else json.dumps({"lease": lease.to_json(token)}).encode()
+    return web.Response(body=body, status=201, content_type="application/json")
 
 
 async def list_leases(request: web.Request) -> web.Response:
