@@ -26,7 +26,6 @@ import hashlib
 import hmac
 import json
 import math
-import os
 import re
 import secrets
 import time
@@ -42,7 +41,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import SignatureAlgorithmOID
 
-from gpubroker.gossip.identity import Identity, IdentityError, fingerprint, node_id_of
+from gpubroker.gossip.identity import Identity, IdentityError, fingerprint, node_id_of, write_private
 from gpubroker.gossip.keyring import Keyring, KeyringError, cluster_hash, key_id, new_key
 from gpubroker.gossip.messages import Addr
 
@@ -273,24 +272,6 @@ def _secret_hash(secret: bytes) -> str:
     return hashlib.sha256(secret).hexdigest()
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path` as 0600 from its first byte, atomically: a crash leaves the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, 0o600)  # O_CREAT's mode does not apply to a leftover file from an earlier crash
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself must survive a power cut, or an admission could be forgotten
-    finally:
-        os.close(dir_fd)
-
-
 class ClusterState:
     """The cluster as this node knows it; every method that changes it persists before returning."""
 
@@ -418,7 +399,7 @@ class ClusterState:
             "generation": self._generation,
             "incarnation": self._incarnation,
         }
-        _write_private(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
+        write_private(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
 
     # -- counters -----------------------------------------------------------------------------------
 

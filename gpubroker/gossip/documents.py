@@ -34,15 +34,21 @@ def round_bytes(size: int) -> int:
     return int(round(size / ROUNDING)) * ROUNDING
 
 
+def external_by_name(gpu: dict[str, Any]) -> dict[str, int]:
+    """A GPU's external memory (as `GET /v1/node` lists its processes) summed by process name."""
+    external: dict[str, int] = {}
+    for process in gpu.get("processes", []):
+        if process.get("lease") is None and process.get("bytes"):
+            name = process.get("name") or "unnamed"
+            external[name] = external.get(name, 0) + process["bytes"]
+    return external
+
+
 def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, Any]:
     """The published part of `GET /v1/node` and the live leases: figures rounded, external processes by name."""
     gpus = []
     for gpu in node.get("gpus", []):
-        external: dict[str, int] = {}
-        for process in gpu.get("processes", []):
-            if process.get("lease") is None and process.get("bytes"):
-                name = process.get("name") or "unnamed"
-                external[name] = external.get(name, 0) + process["bytes"]
+        external = external_by_name(gpu)
         gpus.append(
             {
                 "index": gpu["index"],

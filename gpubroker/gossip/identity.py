@@ -74,8 +74,8 @@ def node_id_of_certificate(cert_der: bytes) -> str:
     return node_id_of(public_key_of(cert_der))
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path` as 0600 from its first byte, atomically: a crash leaves the old file or the new one."""
+def write_private(path: Path, data: bytes) -> None:
+    """Write `data` to `path` as 0600 from its first byte, atomically and durably: a crash or power cut leaves the old file or the new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -85,6 +85,11 @@ def _write_private(path: Path, data: bytes) -> None:
         os.close(fd)
     os.chmod(tmp, 0o600)  # O_CREAT's mode does not apply to a leftover file from an earlier crash
     os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself must survive a power cut
+    finally:
+        os.close(dir_fd)
 
 
 def _now(now: dt.datetime | None) -> dt.datetime:
@@ -119,7 +124,7 @@ class Identity:
         if not path.exists():
             key = Ed25519PrivateKey.generate()
             pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-            _write_private(path, pem)
+            write_private(path, pem)
             return cls(key, directory)
         try:
             loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
@@ -172,7 +177,7 @@ class Identity:
         if self._cert is None or not self._usable(self._cert, at):
             self._cert = self._make_certificate(at)
             if self._directory is not None:
-                _write_private(self._directory / CERT_FILE, self._cert.public_bytes(serialization.Encoding.PEM))
+                write_private(self._directory / CERT_FILE, self._cert.public_bytes(serialization.Encoding.PEM))
         return self._cert
 
     def certificate_pem(self, now: dt.datetime | None = None) -> bytes:

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from gpubroker.errors import FailureCode, NotFound
+from gpubroker.gossip.documents import external_by_name
 from gpubroker.ui.api import BROKER, MESH, cluster_view
 from gpubroker.ui.stream import EVENT_TYPES
 from gpubroker.units import rfc3339
@@ -81,11 +82,7 @@ def node_gpus(node: dict[str, Any]) -> list[dict[str, Any]]:
     if node.get("self"):
         out = []
         for gpu in node.get("gpus", []):
-            external: dict[str, int] = {}
-            for process in gpu.get("processes", []):
-                if process.get("lease") is None and process.get("bytes"):
-                    name = process.get("name") or "unnamed"
-                    external[name] = external.get(name, 0) + process["bytes"]
+            external = external_by_name(gpu)
             holders = [(lease.get("holder") or lease["id"], lease.get("bytes") or 0) for lease in gpu.get("leases", [])]
             out.append({**gpu, "external": sorted(external.items()), "holders": holders})
         return out
