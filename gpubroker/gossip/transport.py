@@ -103,21 +103,8 @@ def pack_map(value: Mapping[str, Any]) -> bytes:
 def unpack_map(payload: bytes) -> dict[str, Any]:
     """The map in a frame's payload; raises WireError (IncompatibleVersion among them) and nothing else."""
     wire.read_versions(payload)
-    body = bytes(payload[wire.HEADER_SIZE :])
-    try:
-        # As in wire.decode: no length may claim more than the input holds, so memory stays bounded by the frame.
-        value = msgpack.unpackb(
-            body,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=len(body),
-            max_bin_len=len(body),
-            max_array_len=len(body),
-            max_map_len=len(body),
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises ValueError, TypeError, StackError...
-        raise wire.WireError(f"malformed msgpack: {type(exc).__name__}: {exc}") from None
+    # As in wire.decode; the frame's own size bounds every length.
+    value = wire.unpack_bounded(payload, max_array=len(payload), max_map=len(payload))
     if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
         raise wire.WireError(f"a request or answer must be a map with string keys, got {type(value).__name__}")
     return value

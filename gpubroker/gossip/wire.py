@@ -399,26 +399,30 @@ def read_versions(data: bytes) -> tuple[int, int]:
     return low, high
 
 
-def decode(data: bytes) -> Message:
-    """The message in `data` (a datagram's plaintext or a frame's payload); raises WireError and nothing else."""
-    read_versions(data)
-    if len(data) > MAX_FRAME:
-        raise MessageTooLarge("a message", len(data), MAX_FRAME)
+def unpack_bounded(data: bytes, max_array: int, max_map: int) -> Any:
+    """The msgpack value after the header; no length may claim more than the input holds. Raises WireError only."""
     body = bytes(data[HEADER_SIZE:])
     try:
-        # No length may claim more than the input holds, so a short datagram cannot announce a huge string.
-        obj = msgpack.unpackb(
+        return msgpack.unpackb(
             body,
             raw=False,
             strict_map_key=True,
             max_str_len=len(body),
             max_bin_len=len(body),
-            max_array_len=min(len(body), MAX_MEMBERS),
-            max_map_len=min(len(body), MAX_FIELDS),
+            max_array_len=min(len(body), max_array),
+            max_map_len=min(len(body), max_map),
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises ValueError, TypeError, its own subclasses of them...
         raise WireError(f"malformed msgpack: {type(exc).__name__}: {exc}") from None
+
+
+def decode(data: bytes) -> Message:
+    """The message in `data` (a datagram's plaintext or a frame's payload); raises WireError and nothing else."""
+    read_versions(data)
+    if len(data) > MAX_FRAME:
+        raise MessageTooLarge("a message", len(data), MAX_FRAME)
+    obj = unpack_bounded(data, max_array=MAX_MEMBERS, max_map=MAX_FIELDS)
     try:
         return _parse(*_split(obj))
     except WireError:
