@@ -401,6 +401,39 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_password(args: argparse.Namespace) -> int:
+    """Print the ui_password_hash line for a password read from the terminal (twice) or from standard input."""
+    import getpass
+
+    from gpubroker.ui.auth import hash_password
+
+    if sys.stdin.isatty():
+        password = getpass.getpass("UI password: ")
+        if getpass.getpass("again: ") != password:
+            print("gpubroker: the two passwords differ", file=sys.stderr)
+            return 2
+    else:
+        password = sys.stdin.readline().rstrip("\n")
+    if len(password) < 8:
+        print("gpubroker: a UI password needs at least 8 characters", file=sys.stderr)
+        return 2
+    print(f'ui_password_hash = "{hash_password(password)}"')
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """Print this node's API token (made once in the state directory): GPUBROKER_TOKEN for the CLI and Prometheus."""
+    from gpubroker.ui.auth import load_or_create_api_token
+
+    try:
+        config = load_config(Path(args.config) if args.config else None, state_dir=args.state)
+        print(load_or_create_api_token(config.state_dir))
+    except (ConfigError, OSError) as error:
+        print(f"gpubroker: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_self_check(args: argparse.Namespace) -> int:
     from gpubroker.selfcheck import self_check
 
@@ -488,6 +521,14 @@ def parser() -> argparse.ArgumentParser:
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     events.add_argument("--json", action="store_true")
     events.set_defaults(run=cmd_events)
+
+    password = sub.add_parser("password", help="make the ui_password_hash setting from a password (asked twice, or one line on stdin)")
+    password.set_defaults(run=cmd_password)
+
+    token = sub.add_parser("token", help="print this node's API token, for GPUBROKER_TOKEN and Prometheus (read from the state directory)")
+    token.add_argument("--state", metavar="DIR")
+    token.add_argument("--config", metavar="FILE")
+    token.set_defaults(run=cmd_token)
 
     check = sub.add_parser("self-check", help="start a broker on a simulated GPU in a temporary directory, grant and release a lease")
     check.set_defaults(run=cmd_self_check)

@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ class Endpoint:
             return _UnixConnection(self.url[len("unix:") :], timeout)
         parts = urlsplit(self.url)
         if parts.scheme == "https":
-            return http.client.HTTPSConnection(parts.netloc, timeout=timeout)
+            # The broker's certificate is its own (self-signed): GPUBROKER_CA names a copy of it, STATE/ui/cert.pem.
+            ca = os.environ.get("GPUBROKER_CA")
+            return http.client.HTTPSConnection(parts.netloc, timeout=timeout, context=ssl.create_default_context(cafile=ca or None))
         return http.client.HTTPConnection(parts.netloc, timeout=timeout)
 
 

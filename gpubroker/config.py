@@ -96,6 +96,14 @@ def _hosts(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _password_hash(value: Any) -> str:
+    from gpubroker.ui.auth import parse_hash  # standard library only; imported where used
+
+    text = str(value)
+    parse_hash(text)
+    return text
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "state_dir",
@@ -122,7 +130,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kill_grace", 10.0, "after a holder dies, its process groups get SIGTERM, then SIGKILL after this", parse_duration),
     Setting("reclaim_grace", 10.0, "after a release, GPU memory still in use after this raises GPU_MEMORY_NOT_RECLAIMED", parse_duration),
     Setting("production_eligible", True, "whether this node serves production requests (else CAPABILITY_UNAVAILABLE)", _bool),
-    Setting("allowed_hosts", (), "Host headers accepted besides localhost and the listen address (against DNS rebinding)", _hosts),
+    Setting(
+        "allowed_hosts",
+        (),
+        "Host headers accepted besides localhost, the listen address and this machine's names (against DNS rebinding)",
+        _hosts,
+    ),
+    Setting(
+        "ui_password_hash",
+        None,
+        "the web UI's password as an scrypt hash from `gpubroker password`; needed to listen beyond loopback",
+        _password_hash,
+    ),
     Setting("max_body", 64 * 2**10, "the largest request body accepted (larger gets 413)", parse_size),
     Setting("events_kept", 10_000, "events kept in the store; older ones are dropped", _positive_int),
     Setting("leases_kept", 1_000, "ended leases kept in the store for `leases --state released`", _positive_int),
@@ -152,6 +171,7 @@ class Config:
     reclaim_grace: float = 10.0
     production_eligible: bool = True
     allowed_hosts: tuple[str, ...] = ()
+    ui_password_hash: str | None = None
     max_body: int = 64 * 2**10
     events_kept: int = 10_000
     leases_kept: int = 1_000

@@ -8,7 +8,9 @@ import fcntl
 import os
 import signal
 import socket
+import ssl
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +23,8 @@ from gpubroker.broker.probes import GpuProbe, SimulatedProbe
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
-from gpubroker.ui.api import MeshSlot, make_app
+from gpubroker.ui.api import MeshSlot, allowed_hosts, make_app
+from gpubroker.ui.auth import Guard, Sessions, is_loopback, load_or_create_api_token
 
 if TYPE_CHECKING:
     from gpubroker.gossip.mesh import Mesh
@@ -151,6 +154,55 @@ async def _make_mesh(config: Config, broker: Broker, join: str | None) -> Mesh |
     return Mesh(_mesh_settings(config, seeds), broker, identity, cluster)
 
 
+UI_CERT_RENEW = 30 * 86400  # a UI certificate this close to its end is made anew at start
+
+
+def _ui_tls(config: Config) -> ssl.SSLContext:
+    """HTTPS for a LAN address: this node's ECDSA P-256 certificate (browsers refuse Ed25519), made once and kept
+    in the state directory, made anew when it no longer names this broker's addresses or is near its end."""
+    from cryptography import x509
+
+    from gpubroker.gossip.identity import ui_certificate, write_private
+
+    directory = config.state_dir / "ui"
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    names = sorted(h for h in allowed_hosts(config) if h not in ("0.0.0.0", "::"))
+    names.sort(key=lambda h: (h in ("localhost", "127.0.0.1", "::1"), h))  # the first name is the subject's
+    current = None
+    with contextlib.suppress(OSError, ValueError):
+        current = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    usable = False
+    if current is not None and key_path.exists():
+        try:
+            sans = current.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            covered = {str(v) for v in sans.get_values_for_type(x509.DNSName)} | {str(v) for v in sans.get_values_for_type(x509.IPAddress)}
+        except x509.ExtensionNotFound:
+            covered = set()
+        usable = set(names) <= covered and current.not_valid_after_utc.timestamp() - time.time() > UI_CERT_RENEW
+    if not usable:
+        cert_pem, key_pem = ui_certificate(names)
+        write_private(key_path, key_pem)
+        write_private(cert_path, cert_pem)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_path, key_path)
+    return context
+
+
+def make_guard(config: Config) -> tuple[Guard, ssl.SSLContext | None]:
+    """What TCP callers must show, and HTTPS where the API listens beyond loopback (which takes a UI password)."""
+    host = config.listen.rpartition(":")[0]
+    lan = not is_loopback(host)
+    if lan and config.ui_password_hash is None:
+        raise StartError(
+            f"refusing to listen on {config.listen} without a UI password: set ui_password_hash in the config file "
+            "(`gpubroker password` makes one), or listen on 127.0.0.1"
+        )
+    token = load_or_create_api_token(config.state_dir) if config.ui_password_hash is not None else None
+    return Guard(config.ui_password_hash, token, tls=lan, sessions=Sessions()), _ui_tls(config) if lan else None
+
+
 async def serve(
     config: Config,
     probe: GpuProbe | None = None,
@@ -161,6 +213,7 @@ async def serve(
     """Run the broker (and its mesh, in a cluster) until cancelled; closing is idempotent and leaves the store consistent."""
     lock = _lock_state(config.state_dir)
     try:
+        guard, tls = make_guard(config)
         if join is not None and known_node_id(config.state_dir) is None:
             load_identity(config.state_dir)  # a joining node's leases carry the id it will have in the cluster
         store = Store(config.state_dir, config.store_size, config.events_kept)
@@ -172,7 +225,7 @@ async def serve(
             await broker.close()
             raise
         slot = MeshSlot(mesh)
-        runner = web.AppRunner(make_app(broker, slot), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(make_app(broker, slot, guard), handler_cancellation=True, access_log=None)
         try:
             await runner.setup()
             sock_path = config.socket_path
@@ -181,7 +234,7 @@ async def serve(
             os.chmod(sock_path, 0o666)  # any local user may ask; the kernel tells us who they are
             host, _, port = config.listen.rpartition(":")
             try:
-                await web.TCPSite(runner, host.strip("[]"), int(port)).start()
+                await web.TCPSite(runner, host.strip("[]"), int(port), ssl_context=tls).start()
             except OSError as error:
                 raise StartError(f"cannot listen on {config.listen}: {error.strerror}; give --listen HOST:PORT") from None
             if on_ready is not None:
@@ -210,7 +263,8 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
         state = f"GPUs: {broker.driver_error}" if broker.driver_error else f"{gpus} GPU{'s' * (gpus != 1)} via {source}"
         print(
             f"gpubroker ready: node {config.name} ({broker.node_id}), {state}; "
-            f"API on unix:{config.socket_path} and http://{config.listen}; state in {config.state_dir}",
+            f"API on unix:{config.socket_path} and {'http' if is_loopback(config.listen.rpartition(':')[0]) else 'https'}://{config.listen}"
+            f"{' (signed-in UI, API token)' if config.ui_password_hash else ''}; state in {config.state_dir}",
             flush=True,
         )
 

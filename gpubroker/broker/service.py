@@ -46,9 +46,10 @@ class SystemClock:
 class Caller:
     """Who is asking: on the Unix socket the kernel says (SO_PEERCRED); on TCP nobody does."""
 
-    transport: str  # "unix" or "tcp"
+    transport: str  # "unix", "tcp" or "peer" (a member forwarding a request)
     uid: int | None = None
     pid: int | None = None
+    admin: str | None = None  # who, when the caller may act on any lease: "the web UI of tower", "the API token"
 
     @property
     def user(self) -> str | None:
@@ -676,7 +677,9 @@ class Broker:
         return next((w for w in self.waiters if w.id == lease_id), None)
 
     def authorize(self, lease: Lease | Waiter, caller: Caller, token: str | None) -> None:
-        """The lease's own Unix user, root, or its token: anyone else is FORBIDDEN."""
+        """The lease's own Unix user, root, an admin, or its token: anyone else is FORBIDDEN."""
+        if caller.admin is not None:
+            return
         uid = lease.holder.uid
         if caller.uid is not None and (caller.uid == 0 or (uid is not None and caller.uid == uid)):
             return
@@ -727,7 +730,7 @@ class Broker:
             raise NotFound(f"request {lease_id} was waiting and is now cancelled", {"lease": lease_id, "cancelled": True})
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
-        who = f"uid {caller.uid}" if caller.uid is not None else "its token"
+        who = caller.admin or (f"uid {caller.uid}" if caller.uid is not None else "its token")
         await self.store.commit(self._end(lease, "released", f"released by {who}"))
         return lease
 

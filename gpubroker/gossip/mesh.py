@@ -493,10 +493,14 @@ class Mesh:
     async def _forwarded_release(self, request: dict[str, Any]) -> dict[str, Any]:
         lease = request.get("lease")
         token = request.get("token")
-        if not isinstance(lease, str) or not (token is None or isinstance(token, str)):
+        admin = request.get("admin")
+        if not isinstance(lease, str) or not (token is None or isinstance(token, str)) or not (admin is None or isinstance(admin, str)):
             return {"error": "release needs a lease id"}
+        # An admin of a member (signed in to its UI, or holding its API token) may release here: the member is
+        # authenticated by mutual TLS, and the reason names who it was.
+        caller = Caller("peer", admin=admin[:200] if admin else None)
         try:
-            released = await self.broker.release(lease, Caller("peer"), token)
+            released = await self.broker.release(lease, caller, token)
         except BrokerError as error:
             return {"failure": error.to_json()}
         return {"lease": released.to_json()}
@@ -539,13 +543,13 @@ class Mesh:
                 return document.node
         return None
 
-    async def forward_release(self, lease_id: str, token: str | None) -> dict[str, Any] | None:
-        """Ask the lease's own node to release it; it authorises the request. None: no node holds it."""
+    async def forward_release(self, lease_id: str, token: str | None, admin: str | None = None) -> dict[str, Any] | None:
+        """Ask the lease's own node to release it; it authorises the request (the token, or this node's admin). None: no node holds it."""
         owner = self.owner_of(lease_id)
         member = self.membership.member(owner) if owner else None
         if member is None:
             return None
-        answer = await self._call(member.addr, {"op": "release", "lease": lease_id, "token": token})
+        answer = await self._call(member.addr, {"op": "release", "lease": lease_id, "token": token, "admin": admin})
         if answer is None:
             raise BrokerError(
                 FailureCode.TIMEOUT, f"lease {lease_id} is held by node {self._name_of(owner or '')}, which did not answer", {"node": owner}

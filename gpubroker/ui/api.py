@@ -7,8 +7,9 @@ import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -17,6 +18,7 @@ from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.config import Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal
+from gpubroker.ui.auth import CHANGES, CSRF_FIELD, CSRF_HEADER, OPEN_PATHS, SESSION_COOKIE, Guard, Session, Sessions, is_loopback
 from gpubroker.ui.metrics import Metrics
 from gpubroker.ui.openapi import OPENAPI
 from gpubroker.units import UnitError, parse_duration
@@ -29,6 +31,8 @@ CALLER = web.RequestKey("caller", Caller)
 CONFIG = web.AppKey("config", Config)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG_HOSTS = web.AppKey("allowed_hosts", frozenset)
+GUARD = web.AppKey("guard", Guard)
+SESSION = web.RequestKey("session", Session)
 
 
 @dataclass(slots=True)
@@ -45,16 +49,32 @@ _PEERCRED = struct.Struct("3i")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+class Unauthorized(BrokerError):
+    def __init__(self, message: str) -> None:
+        super().__init__(FailureCode.UNAUTHORIZED, message, {})
+
+
 def _error(error: BrokerError) -> web.Response:
     return web.json_response(error.to_json(), status=error.status)
 
 
+PAGE_PREFIXES = ("/v1/", "/fragment/", "/metrics", "/openapi.json", "/healthz")
+
+
 @web.middleware
 async def api_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The Host check, then the handler; every failure leaves in the one error shape, with its status from SPEC §3.6."""
+    """Host, Origin and sign-in checks, then the handler; every failure leaves in the one error shape, with its status from SPEC §3.6."""
     try:
         _check_host(request)
+        _check_origin(request)
+        await _authenticate(request)
         return await handler(request)
+    except Unauthorized as error:
+        if request.method == "GET" and not request.path.startswith(PAGE_PREFIXES):
+            from gpubroker.ui import pages
+
+            return pages.login_page(request, status=401)  # a person at a page gets the form to sign in
+        return _error(error)
     except BrokerError as error:
         return _error(error)
     except web.HTTPRequestEntityTooLarge:
@@ -76,9 +96,23 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
         return _error(InvalidRequest(f"{error.reason}", {"status": error.status}, status=error.status))
 
 
-def _allowed_hosts(config: Config) -> frozenset[str]:
+def allowed_hosts(config: Config) -> frozenset[str]:
+    """localhost, the listen address, this machine's names, and allowed_hosts; on a wildcard address, every local address."""
     host = config.listen.rpartition(":")[0].strip("[]")
-    return frozenset({"localhost", "127.0.0.1", "::1", host, *config.allowed_hosts})
+    names = {"localhost", "127.0.0.1", "::1", host, *(h.lower() for h in config.allowed_hosts)}
+    if not is_loopback(host):
+        machine = socket.gethostname().lower()
+        names |= {machine, f"{machine}.local"}
+    if host in ("0.0.0.0", "::"):
+        import psutil
+
+        names |= {
+            a.address.split("%")[0]
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)
+        }
+    return frozenset(names)
 
 
 def _check_host(request: web.Request) -> None:
@@ -90,6 +124,48 @@ def _check_host(request: web.Request) -> None:
             raise Forbidden(
                 f"Host {host!r} is not this broker's address; add it to allowed_hosts to reach the API by that name", {"host": host}
             )
+
+
+def _check_origin(request: web.Request) -> None:
+    """Against cross-site requests: a change sent by a page of another site is refused, signed in or not."""
+    if request.method not in CHANGES or _caller(request).transport != "tcp":
+        return
+    origin = request.headers.get("Origin")
+    host = request.headers.get("Host", "")
+    if request.headers.get("Sec-Fetch-Site") == "cross-site" or (origin is not None and urlsplit(origin).netloc.lower() != host.lower()):
+        raise Forbidden(
+            f"a change sent from another site ({origin or 'cross-site'}) is refused; use this broker's own pages or the API",
+            {"origin": origin, "host": host},
+        )
+
+
+async def _authenticate(request: web.Request) -> None:
+    """With a UI password set, a TCP caller needs the API token or a signed-in session (and its CSRF token for a change)."""
+    caller = _caller(request)
+    guard = request.app[GUARD]
+    if caller.transport != "tcp" or not guard.required or request.path.startswith(OPEN_PATHS):
+        return
+    header = request.headers.get("Authorization")
+    if header is not None:
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != "bearer" or not guard.token_matches(presented.strip()):
+            raise Unauthorized("the API token is not this node's; `gpubroker token` on the node prints it (send it as GPUBROKER_TOKEN)")
+        request[CALLER] = replace(caller, admin="the API token")
+        return
+    session = guard.sessions.get(request.cookies.get(SESSION_COOKIE))
+    if session is None:
+        raise Unauthorized(
+            "sign in at /login, or send this node's API token as Authorization: Bearer (GPUBROKER_TOKEN; `gpubroker token` prints it)"
+        )
+    if request.method in CHANGES:
+        csrf = request.headers.get(CSRF_HEADER)
+        if csrf is None and request.content_type == "application/x-www-form-urlencoded":
+            field = (await request.post()).get(CSRF_FIELD)
+            csrf = field if isinstance(field, str) else None
+        if not guard.csrf_matches(session, csrf):
+            raise Forbidden(f"a change from the web UI needs its CSRF token ({CSRF_HEADER}); reload the page and try again", {})
+    request[CALLER] = replace(caller, admin=f"the web UI of {request.app[CONFIG].name}")
+    request[SESSION] = session
 
 
 def _caller(request: web.Request) -> Caller:
@@ -199,7 +275,8 @@ async def release_lease(request: web.Request) -> web.Response:
         lease = await request.app[BROKER].release(lease_id, _caller(request), _token(request))
     except NotFound:
         mesh = request.app[MESH].mesh
-        forwarded = await mesh.forward_release(lease_id, _token(request)) if mesh is not None else None
+        caller = _caller(request)
+        forwarded = await mesh.forward_release(lease_id, _token(request), caller.admin) if mesh is not None else None
         if forwarded is None:
             raise
         return web.json_response({"lease": forwarded})  # released by its own node, which authorised it
@@ -225,10 +302,10 @@ async def cluster(request: web.Request) -> web.Response:
 
 
 def _admin(request: web.Request) -> None:
-    """Changing the cluster takes root or the broker's own Unix user, on the socket."""
+    """Changing the cluster takes root or the broker's own Unix user on the socket, or an admin (signed in, or the API token)."""
     caller = _caller(request)
-    if caller.uid is None or caller.uid not in (0, os.geteuid()):
-        raise Forbidden("changing the cluster takes root or the broker's own user, on the Unix socket")
+    if caller.admin is None and (caller.uid is None or caller.uid not in (0, os.geteuid())):
+        raise Forbidden("changing the cluster takes root or the broker's own user on the Unix socket, or a signed-in admin")
 
 
 def _mesh(request: web.Request) -> Mesh:
@@ -302,14 +379,15 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(OPENAPI)
 
 
-def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None) -> web.Application:
+def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None, guard: Guard | None = None) -> web.Application:
     from gpubroker.ui import pages, stream  # they build on this module's keys
 
     config = broker.config
     app = web.Application(middlewares=[api_middleware], client_max_size=config.max_body)
     app[BROKER] = broker
     app[CONFIG] = config
-    app[CONFIG_HOSTS] = _allowed_hosts(config)
+    app[CONFIG_HOSTS] = allowed_hosts(config)
+    app[GUARD] = guard or Guard(config.ui_password_hash, None, tls=False, sessions=Sessions())
     app[METRICS] = Metrics(broker)
     app[MESH] = mesh if isinstance(mesh, MeshSlot) else MeshSlot(mesh)
     app.router.add_post("/v1/leases", create_lease)

@@ -8,6 +8,7 @@ event stream says something changed.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -19,11 +20,13 @@ from aiohttp import web
 
 from gpubroker.errors import FailureCode, NotFound
 from gpubroker.gossip.documents import external_by_name
-from gpubroker.ui.api import BROKER, MESH, cluster_view
+from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, cluster_view
+from gpubroker.ui.auth import CSRF_FIELD, SESSION_COOKIE, verify_password
 from gpubroker.ui.stream import EVENT_TYPES
 from gpubroker.units import rfc3339
 
 STATIC = Path(__file__).parent / "static"
+LOGIN_LOCK = web.AppKey("login_lock", asyncio.Lock)
 GIB = 2**30
 FIGURES = ("total", "observed", "external", "resident", "leased", "reserve", "schedulable")
 EVENTS_SHOWN = 200  # newest first; older ones are in /v1/events
@@ -63,6 +66,21 @@ def moment(at: float | str | None, now: float) -> str:
     exact = rfc3339(stamp)
     words = f"{ago(now - stamp)} ago" if stamp <= now else f"in {ago(stamp - now)}"
     return f'<time datetime="{exact}" title="{exact}">{words}</time>'
+
+
+SIGN_IN_TO_ACT = (
+    '<p class="muted">Releasing leases and changing the cluster from the browser takes a signed-in admin: '
+    "set <code>ui_password_hash</code> (from <code>gpubroker password</code>) and sign in.</p>"
+)
+
+
+def action(method: str, url: str, label: str, show: str = "") -> str:
+    """A button live.js turns into one API call (with the page's CSRF token); `show` names a field of the answer to display."""
+    return (
+        f'<button class="act" data-method="{e(method)}" data-url="{e(url)}"'
+        + (f' data-show="{e(show)}"' if show else "")
+        + f">{e(label)}</button>"
+    )
 
 
 def table(headers: Iterable[str], rows: Iterable[Iterable[str]], empty: str) -> str:
@@ -285,6 +303,7 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
 
 def leases_region(request: web.Request) -> str:
     now = time.time()
+    admin = is_admin(request)
     rows, queues = lease_rows(request)
     state = request.query.get("state", "")
     node = request.query.get("node", "")
@@ -309,14 +328,17 @@ def leases_region(request: web.Request) -> str:
             moment(r["expires"], now) if r["expires"] else "—",
             f'<span class="state state-{e(r["state"])}">{e(r["state"])}</span>',
             f"<code>{e(r['id'])}</code>",
+            *([action("DELETE", f"/v1/leases/{r['id']}", "release" if r["state"] != "queued" else "cancel")] if admin else []),
         ]
         for r in shown
     ]
     classes = sorted({c for q in queues.values() for c in q})
     queue_rows = [[e(name), *(e(q.get(c, 0)) for c in classes)] for name, q in queues.items()]
+    headers = ("holder", "node", "GPU", "bytes", "class", "preemption", "age", "expiry", "state", "id", *([""] if admin else []))
     return (
         f"<h1>Leases</h1>{form}"
-        + table(("holder", "node", "GPU", "bytes", "class", "preemption", "age", "expiry", "state", "id"), cells, "no leases")
+        + ("" if admin else SIGN_IN_TO_ACT)
+        + table(headers, cells, "no leases")
         + "<h2>Queue per class</h2>"
         + table(("node", *classes), queue_rows, "no queue")
     )
@@ -355,6 +377,7 @@ def mesh_region(request: web.Request) -> str:
             "Run <code>gpubroker init</code> to start a cluster, or <code>gpubroker up --join TOKEN</code> to join one.</p>"
         )
     now = time.time()
+    admin = is_admin(request)
     view = cluster_view(request.app)
     nodes = mesh.nodes_json()
     by_id = {node["id"]: node for node in view["nodes"]}
@@ -372,16 +395,36 @@ def mesh_region(request: web.Request) -> str:
                 e(seen.get("incarnation", "—")),
                 e(seen.get("addr", "—")),
                 moment(now - age, now) if age is not None else "—",
+                *([action("DELETE", f"/v1/cluster/nodes/{member['id']}", "remove") if not seen.get("self") else ""] if admin else []),
             ]
         )
-    pending = [[e(p["name"]), f"<code>{e(p['id'])}</code>", e(p["addr"]), f"<code>{e(p['fingerprint'])}</code>"] for p in nodes["pending"]]
+    pending = [
+        [
+            e(p["name"]),
+            f"<code>{e(p['id'])}</code>",
+            e(p["addr"]),
+            f"<code>{e(p['fingerprint'])}</code>",
+            *([action("POST", f"/v1/cluster/nodes/{p['id']}/approve", "approve")] if admin else []),
+        ]
+        for p in nodes["pending"]
+    ]
     epoch = coordinator.get("epoch", "—")
+    invite = (
+        '<p class="actions">' + action("POST", "/v1/cluster/invites", "invite a node", show="token") + " prints a one-time join token: "
+        "run <code>gpubroker up --join TOKEN</code> on the new node</p>"
+        if admin
+        else SIGN_IN_TO_ACT
+    )
     return (
         f"<h1>Mesh</h1><p>coordinator <code>{e(coordinator.get('id', 'none'))}</code> · epoch {e(epoch)} · "
-        f"{len(nodes['removed'])} removed</p>"
-        + table(("name", "id", "state", "incarnation", "address", "document"), rows, "no members")
+        f"{len(nodes['removed'])} removed</p>{invite}"
+        + table(("name", "id", "state", "incarnation", "address", "document", *([""] if admin else [])), rows, "no members")
         + "<h2>Pending nodes</h2>"
-        + table(("name", "id", "address", "fingerprint"), pending, "none waiting; approve one with `gpubroker nodes approve ID`")
+        + table(
+            ("name", "id", "address", "fingerprint", *([""] if admin else [])),
+            pending,
+            "none waiting; approve one with `gpubroker nodes approve ID`",
+        )
     )
 
 
@@ -397,21 +440,95 @@ PAGES: dict[str, tuple[str, str, Region]] = {
 }
 
 
+def is_admin(request: web.Request) -> bool:
+    """Whether this page's reader may act on any lease and on the cluster (signed in, or root on the socket)."""
+    caller = request.get(CALLER)
+    return caller is not None and caller.admin is not None
+
+
 def shell(request: web.Request, page: str, region: str) -> str:
     path, title, _ = PAGES[page]
     nav = "".join(
         f'<a href="{p}"' + (' aria-current="page"' if name == page else "") + f">{label}</a>" for name, (p, label, _) in PAGES.items()
     )
     node = request.app[BROKER].config.name
+    session = request.get(SESSION)
+    csrf = f'<meta name="csrf-token" content="{e(session.csrf)}">' if session is not None else ""
+    sign_out = (
+        f'<form class="sign-out" method="post" action="/logout"><input type="hidden" name="{CSRF_FIELD}" value="{e(session.csrf)}">'
+        "<button>sign out</button></form>"
+        if session is not None
+        else ""
+    )
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">{csrf}'
         f"<title>{e(title)} · {e(node)} · gpubroker</title>"
         '<link rel="stylesheet" href="/static/style.css"><script src="/static/live.js" defer></script></head>'
         f'<body data-events="{" ".join(EVENT_TYPES)}"><header class="top"><a class="brand" href="/">gpubroker</a>'
-        f'<span class="muted">{e(node)}</span><nav>{nav}</nav><span id="live-state" class="live-state" title="live updates">offline</span></header>'
+        f'<span class="muted">{e(node)}</span><nav>{nav}</nav><span id="live-state" class="live-state" title="live updates">offline</span>'
+        f'{sign_out}</header><p id="notice" class="notice" role="status" hidden></p>'
         f'<main id="live" data-fragment="/fragment/{page}">{region}</main></body></html>'
     )
+
+
+# ----- signing in -------------------------------------------------------------------------
+
+
+def _local_path(target: str | None) -> str:
+    """Where to go after signing in: a path of this broker, never another site."""
+    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return "/"
+    return target
+
+
+def login_page(request: web.Request, status: int = 200, message: str = "") -> web.Response:
+    node = request.app[BROKER].config.name
+    target = _local_path(request.query.get("next") or (request.path_qs if request.path != "/login" else "/"))
+    warning = f'<p class="error" role="alert">{e(message)}</p>' if message else ""
+    body = (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<title>Sign in · {e(node)} · gpubroker</title><link rel="stylesheet" href="/static/style.css"></head>'
+        f'<body><main class="login"><h1>gpubroker · {e(node)}</h1>{warning}'
+        f'<form method="post" action="/login"><input type="hidden" name="next" value="{e(target)}">'
+        '<label>password <input type="password" name="password" autocomplete="current-password" autofocus required></label>'
+        "<button>sign in</button></form>"
+        '<p class="muted">The password is the one whose hash is this node\'s <code>ui_password_hash</code> setting.</p>'
+        "</main></body></html>"
+    )
+    return web.Response(text=body, status=status, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
+
+
+async def login_form(request: web.Request) -> web.Response:
+    if request.app[GUARD].sessions.get(request.cookies.get(SESSION_COOKIE)) is not None:
+        raise web.HTTPSeeOther(_local_path(request.query.get("next")))
+    return login_page(request)
+
+
+async def login(request: web.Request) -> web.Response:
+    guard = request.app[GUARD]
+    form = await request.post()
+    password, target = form.get("password"), form.get("next")
+    if guard.password_hash is None:
+        return login_page(request, 403, "this node has no UI password (ui_password_hash): there is nothing to sign in to")
+    async with request.app[LOGIN_LOCK]:  # one guess at a time: scrypt makes each cost tens of milliseconds
+        right = isinstance(password, str) and await asyncio.to_thread(verify_password, password, guard.password_hash)
+    if not right:
+        await asyncio.sleep(0.2)
+        return login_page(request, 401, "wrong password")
+    session = guard.sessions.create()
+    answer = web.HTTPSeeOther(_local_path(target if isinstance(target, str) else None))
+    answer.set_cookie(SESSION_COOKIE, session.id, httponly=True, samesite="Strict", secure=guard.tls, path="/")
+    request.app[BROKER].record_event("ui.signed_in", f"someone signed in to the web UI of {request.app[CONFIG].name}", details={})
+    raise answer
+
+
+async def logout(request: web.Request) -> web.Response:
+    request.app[GUARD].sessions.drop(request.cookies.get(SESSION_COOKIE))
+    answer = web.HTTPSeeOther("/login")
+    answer.del_cookie(SESSION_COOKIE, path="/")
+    raise answer
 
 
 def _page(page: str) -> Callable[[web.Request], Any]:
@@ -432,4 +549,8 @@ def add_routes(app: web.Application) -> None:
     for name, (path, _, _) in PAGES.items():
         app.router.add_get(path, _page(name))
     app.router.add_get("/fragment/{page}", fragment)
+    app[LOGIN_LOCK] = asyncio.Lock()
+    app.router.add_get("/login", login_form)
+    app.router.add_post("/login", login)
+    app.router.add_post("/logout", logout)
     app.router.add_static("/static", STATIC)

@@ -94,6 +94,69 @@
     };
   }
 
+  // Times read "3 min ago" with the exact time on hover; they age in place, on this clock, without asking the broker.
+  function words(seconds) {
+    const s = Math.max(0, Math.floor(seconds));
+    if (s < 60) return s + " s";
+    if (s < 3600) return Math.floor(s / 60) + " min";
+    if (s < 86400) return Math.floor(s / 3600) + " h";
+    return Math.floor(s / 86400) + " d";
+  }
+
+  function tick() {
+    const now = Date.now() / 1000;
+    for (const time of document.querySelectorAll("time[datetime]")) {
+      const at = Date.parse(time.getAttribute("datetime")) / 1000;
+      if (!Number.isNaN(at)) time.textContent = at <= now ? words(now - at) + " ago" : "in " + words(at - now);
+    }
+  }
+  setInterval(tick, 15000);
+
+  // Actions: a button with data-url is one API call, sent with the page's CSRF token; the answer is shown above the page.
+  const csrf = document.querySelector('meta[name="csrf-token"]');
+  const notice = document.getElementById("notice");
+
+  function tell(text, bad) {
+    if (!notice) return;
+    notice.textContent = text;
+    notice.hidden = false;
+    notice.classList.toggle("bad", Boolean(bad));
+  }
+
+  document.addEventListener("click", async (event) => {
+    const button = event.target.closest("button.act");
+    if (!button) return;
+    event.preventDefault();
+    button.disabled = true;
+    const method = button.dataset.method || "POST";
+    const headers = { "Content-Type": "application/json" };
+    if (csrf) headers["X-CSRF-Token"] = csrf.content;
+    try {
+      const answer = await fetch(button.dataset.url, {
+        method,
+        headers,
+        body: method === "DELETE" ? undefined : "{}",
+        credentials: "same-origin",
+      });
+      const body = await answer.json().catch(() => ({}));
+      const failure = body.error || {};
+      if (answer.ok) {
+        const shown = button.dataset.show ? body[button.dataset.show] : null;
+        const lease = body.lease ? " lease " + body.lease.id + (body.lease.reason ? " (" + body.lease.reason + ")" : "") : "";
+        tell(shown ? button.textContent + ": " + shown : button.textContent + " done:" + (lease || " " + button.dataset.url));
+      } else if (failure.details && failure.details.cancelled) {
+        tell(failure.message);
+      } else {
+        tell((failure.code || answer.status) + ": " + (failure.message || answer.statusText), true);
+      }
+    } catch (error) {
+      tell("the broker did not answer: " + error, true);
+    } finally {
+      button.disabled = false;
+      refresh();
+    }
+  });
+
   if (channel && navigator.locks) {
     navigator.locks.request("gpubroker-stream", lead);
     channel.postMessage({ kind: "hello" });

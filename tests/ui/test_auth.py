@@ -1,0 +1,257 @@
+"""Safe on a LAN: the UI password, sessions, CSRF tokens, Host and Origin checks, the API token and HTTPS.
+
+The rules are tested in process (a real broker and store behind aiohttp's test server,
+reached over TCP), then once as a user meets them: a broker told to listen beyond
+loopback refuses without a password, and with one serves HTTPS that the CLI reaches
+with GPUBROKER_URL, GPUBROKER_TOKEN and GPUBROKER_CA.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from conftest import BrokerProcess, free_port
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from fakes import GIB, FakeClock, FakeGpuProbe
+
+from gpubroker.broker.service import Broker
+from gpubroker.broker.store import Store
+from gpubroker.config import Config, ConfigError, load_config
+from gpubroker.ui.api import make_app
+from gpubroker.ui.auth import SESSION_COOKIE, Guard, PasswordError, Sessions, hash_password, parse_hash, verify_password
+
+PASSWORD = "correct horse battery"
+TOKEN = "node-api-token-for-tests"
+FAST = 2**10  # scrypt's cost, small in tests; `gpubroker password` uses 2**14
+
+
+def test_a_password_hash_verifies_its_password_and_no_other() -> None:
+    stored = hash_password(PASSWORD, n=FAST)
+    assert stored.startswith(f"scrypt${FAST}$8$1$")
+    assert verify_password(PASSWORD, stored)
+    assert not verify_password(PASSWORD + " ", stored)
+    assert hash_password(PASSWORD, n=FAST) != stored  # salted
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "hunter2", "scrypt$16384$8$1$salt", "scrypt$1000$8$1$c2FsdHNhbHQ$ZGlnZXN0ZGlnZXN0ZGlnZXN0", "md5$1$2$3$4$5"]
+)
+def test_a_malformed_hash_is_refused_by_name_in_the_config(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(PasswordError):
+        parse_hash(bad)
+    config = tmp_path / "gpubroker.toml"
+    config.write_text(f'ui_password_hash = "{bad}"\n')
+    with pytest.raises(ConfigError, match="ui_password_hash"):
+        load_config(config)
+
+
+# ----- the rules, in process ---------------------------------------------------------------
+
+
+async def serve(tmp_path: Path, password: bool) -> tuple[TestClient[Any, Any], Broker]:
+    clock = FakeClock()
+    config = Config(state_dir=tmp_path / "state", name="tower", ui_password_hash=hash_password(PASSWORD, n=FAST) if password else None)
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock, [24 * GIB]), clock)
+    await broker.start()
+    guard = Guard(config.ui_password_hash, TOKEN if password else None, tls=False, sessions=Sessions())
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker, None, guard)))
+    await client.start_server()
+    return client, broker
+
+
+@pytest.fixture
+async def guarded(tmp_path: Path) -> AsyncIterator[tuple[TestClient[Any, Any], Broker]]:
+    client, broker = await serve(tmp_path, password=True)
+    try:
+        yield client, broker
+    finally:
+        await client.close()
+        await broker.close()
+
+
+async def sign_in(client: TestClient[Any, Any]) -> str:
+    """Sign in through the form; the page's CSRF token."""
+    answer = await client.post("/login", data={"password": PASSWORD, "next": "/leases"}, allow_redirects=False)
+    assert answer.status == 303
+    assert answer.headers["Location"] == "/leases"
+    page = await (await client.get("/leases")).text()
+    marker = '<meta name="csrf-token" content="'
+    assert marker in page
+    return page.split(marker, 1)[1].split('"', 1)[0]
+
+
+async def error_of(answer: Any) -> tuple[int, str]:
+    return answer.status, (await answer.json())["error"]["code"]
+
+
+async def test_without_signing_in_every_page_api_and_metrics_answer_401(guarded: tuple[TestClient[Any, Any], Broker]) -> None:
+    client, broker = guarded
+    for path in ("/", "/node", "/leases", "/events", "/mesh"):
+        answer = await client.get(path)
+        assert answer.status == 401, path
+        assert 'action="/login"' in await answer.text()  # a person gets the form to sign in
+    for path in ("/v1/node", "/v1/leases", "/v1/cluster", "/v1/events", "/v1/stream", "/metrics", "/fragment/cluster", "/openapi.json"):
+        assert await error_of(await client.get(path)) == (401, "UNAUTHORIZED"), path
+    assert await error_of(await client.post("/v1/leases", json={"gpu_memory": "1GiB"})) == (401, "UNAUTHORIZED")
+    assert broker.list_leases(None, 10) == []  # nothing was granted
+    assert (await client.get("/static/style.css")).status == 200
+    assert (await client.get("/login")).status == 200
+
+
+async def test_a_wrong_password_gets_401_and_the_right_one_a_strict_http_only_cookie(guarded: tuple[TestClient[Any, Any], Broker]) -> None:
+    client, _ = guarded
+    wrong = await client.post("/login", data={"password": "guess"}, allow_redirects=False)
+    assert wrong.status == 401
+    assert "wrong password" in await wrong.text()
+    assert SESSION_COOKIE not in wrong.cookies
+    right = await client.post("/login", data={"password": PASSWORD, "next": "https://elsewhere.example/"}, allow_redirects=False)
+    assert right.status == 303
+    assert right.headers["Location"] == "/"  # never sent to another site after signing in
+    cookie = right.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie
+    assert "SameSite=Strict" in cookie
+    assert "Path=/" in cookie
+    assert (await client.get("/")).status == 200
+
+
+async def test_a_change_without_the_csrf_token_gets_403_and_changes_nothing(guarded: tuple[TestClient[Any, Any], Broker]) -> None:
+    client, broker = guarded
+    csrf = await sign_in(client)
+    assert await error_of(await client.post("/v1/leases", json={"gpu_memory": "1GiB"})) == (403, "FORBIDDEN")
+    assert await error_of(await client.post("/v1/leases", json={"gpu_memory": "1GiB"}, headers={"X-CSRF-Token": "forged"})) == (
+        403,
+        "FORBIDDEN",
+    )
+    assert broker.list_leases(None, 10) == []
+    made = await client.post("/v1/leases", json={"gpu_memory": "1GiB"}, headers={"X-CSRF-Token": csrf})
+    assert made.status == 201
+    lease = (await made.json())["lease"]
+    assert await error_of(await client.delete(f"/v1/leases/{lease['id']}")) == (403, "FORBIDDEN")
+    assert broker.get(lease["id"])["state"] == "granted"
+    released = await client.delete(f"/v1/leases/{lease['id']}", headers={"X-CSRF-Token": csrf})
+    assert released.status == 200
+    assert (await released.json())["lease"]["reason"] == "released by the web UI of tower"
+
+
+async def test_a_foreign_host_or_origin_gets_403_forbidden_signed_in_or_not(guarded: tuple[TestClient[Any, Any], Broker]) -> None:
+    client, broker = guarded
+    assert await error_of(await client.get("/", headers={"Host": "evil.example"})) == (403, "FORBIDDEN")
+    csrf = await sign_in(client)
+    assert await error_of(await client.get("/v1/node", headers={"Host": "rebound.example:9740"})) == (403, "FORBIDDEN")
+    across = await client.post("/v1/leases", json={"gpu_memory": "1GiB"}, headers={"X-CSRF-Token": csrf, "Origin": "http://evil.example"})
+    assert await error_of(across) == (403, "FORBIDDEN")
+    assert broker.list_leases(None, 10) == []
+    own_origin = f"http://{client.server.host}:{client.server.port}"
+    same = await client.post("/v1/leases", json={"gpu_memory": "1GiB"}, headers={"X-CSRF-Token": csrf, "Origin": own_origin})
+    assert same.status == 201
+
+
+async def test_the_api_token_makes_an_admin_without_cookie_or_csrf_and_a_wrong_one_gets_401(
+    guarded: tuple[TestClient[Any, Any], Broker],
+) -> None:
+    client, broker = guarded
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    assert (await client.get("/metrics", headers=bearer)).status == 200
+    made = await client.post("/v1/leases", json={"gpu_memory": "1GiB"}, headers=bearer)
+    assert made.status == 201
+    lease_id = (await made.json())["lease"]["id"]
+    assert await error_of(await client.get("/v1/node", headers={"Authorization": "Bearer wrong"})) == (401, "UNAUTHORIZED")
+    assert await error_of(await client.delete(f"/v1/leases/{lease_id}", headers={"Authorization": "Basic x"})) == (401, "UNAUTHORIZED")
+    released = await client.delete(f"/v1/leases/{lease_id}", headers=bearer)
+    assert (await released.json())["lease"]["reason"] == "released by the API token"
+    assert broker.get(lease_id)["state"] == "released"
+
+
+async def test_signing_out_takes_the_csrf_token_and_ends_the_session(guarded: tuple[TestClient[Any, Any], Broker]) -> None:
+    client, _ = guarded
+    csrf = await sign_in(client)
+    assert (await client.post("/logout", data={"csrf": "forged"}, allow_redirects=False)).status == 403
+    assert (await client.get("/")).status == 200
+    out = await client.post("/logout", data={"csrf": csrf}, allow_redirects=False)
+    assert out.status == 303
+    assert (await client.get("/")).status == 401
+
+
+async def test_signed_in_pages_offer_release_and_invite_and_unsigned_ones_say_how(tmp_path: Path) -> None:
+    client, broker = await serve(tmp_path, password=False)
+    try:
+        made = await client.post("/v1/leases", json={"gpu_memory": "1GiB"})
+        lease_id = (await made.json())["lease"]["id"]
+        page = await (await client.get("/leases")).text()
+        assert lease_id in page
+        assert 'class="act"' not in page  # nobody signed in on loopback: no buttons, and a line that says how
+        assert "ui_password_hash" in page
+        assert (await client.post("/login", data={"password": PASSWORD})).status == 403
+    finally:
+        await client.close()
+        await broker.close()
+    client, broker = await serve(tmp_path / "guarded", password=True)
+    try:
+        csrf = await sign_in(client)
+        made = await client.post("/v1/leases", json={"gpu_memory": "1GiB"}, headers={"X-CSRF-Token": csrf})
+        lease_id = (await made.json())["lease"]["id"]
+        page = await (await client.get("/leases")).text()
+        assert f'data-method="DELETE" data-url="/v1/leases/{lease_id}"' in page
+    finally:
+        await client.close()
+        await broker.close()
+
+
+# ----- as a user meets it --------------------------------------------------------------------
+
+
+def test_a_lan_address_without_a_password_is_refused_at_start_naming_the_setting(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "up", "--state", str(tmp_path / "state"), "--socket", str(tmp_path / "api.sock")]
+        + ["--listen", f"0.0.0.0:{free_port()}", "--simulate-gpus", "1x24GiB"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "ui_password_hash" in done.stderr
+    assert "gpubroker password" in done.stderr
+
+
+def test_with_a_password_it_serves_https_on_a_p256_certificate_and_the_cli_needs_the_token(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    made = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "password"], input=PASSWORD + "\n", capture_output=True, text=True, check=True
+    )
+    config = tmp_path / "gpubroker.toml"
+    config.write_text(made.stdout)
+    port = free_port()
+    broker = broker_process("1x24GiB", ["--config", str(config), "--listen", f"0.0.0.0:{port}"])
+    broker.port = port
+    broker.start()
+    assert f"https://0.0.0.0:{port}" in broker.ready_line
+    cert_path = broker.state / "ui" / "cert.pem"
+    certificate = x509.load_pem_x509_certificate(ssl.get_server_certificate(("127.0.0.1", port)).encode())
+    assert certificate == x509.load_pem_x509_certificate(cert_path.read_bytes())
+    public = certificate.public_key()
+    assert isinstance(public, ec.EllipticCurvePublicKey)
+    assert public.curve.name == "secp256r1"
+    names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert socket.gethostname().lower() in names.get_values_for_type(x509.DNSName)
+
+    token = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "token", "--state", str(broker.state)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    env = {**broker.env, "GPUBROKER_URL": f"https://127.0.0.1:{port}", "GPUBROKER_CA": str(cert_path)}
+    status = [sys.executable, "-m", "gpubroker", "status", "--json"]
+    refused = subprocess.run(status, env=env, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1
+    assert "UNAUTHORIZED" in refused.stderr
+    shown = subprocess.run(status, env={**env, "GPUBROKER_TOKEN": token}, capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(shown.stdout)["node"]["gpus"][0]["uuid"] == "GPU-sim-0"
