@@ -240,7 +240,11 @@ OPENAPI: dict[str, Any] = {
         },
         "/healthz": {"get": {"operationId": "healthz", "responses": {"200": _json({"type": "object", "required": ["ok"]}, "alive")}}},
     },
+    # Needed only where the broker has a UI password (always beyond loopback): the node's API token, or a signed-in
+    # session (with its CSRF token on changes); a caller without either gets 401 UNAUTHORIZED.
+    "security": [{}, {"apiToken": []}],
     "components": {
+        "securitySchemes": {"apiToken": {"type": "http", "scheme": "bearer", "description": "`gpubroker token` on the node prints it"}},
         "schemas": {
             "LeaseRequest": {
                 "type": "object",
@@ -340,6 +344,6 @@ OPENAPI: dict[str, Any] = {
                     }
                 },
             },
-        }
+        },
     },
 }
