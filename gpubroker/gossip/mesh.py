@@ -152,6 +152,9 @@ class Asker:
         return None
 
 
+DOCUMENT_RETRIES = (0.0, 0.5, 1.0, 2.0, 4.0)  # seconds before each try to fetch an announced document
+
+
 @dataclass(slots=True)
 class Mesh:
     settings: MeshSettings
@@ -171,6 +174,7 @@ class Mesh:
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _removed: bool = False
+    _learning: set[str] = field(default_factory=set)
 
     @property
     def node_id(self) -> str:
@@ -282,6 +286,25 @@ class Mesh:
             self.broker.record_event(f"mesh.member.{kind}", f"node {self._name_of(node)} ({node}) is {kind}", details={"node": node})
         elif kind in ("joined", "alive"):
             self.broker.record_event(f"mesh.member.{kind}", f"node {self._name_of(node)} ({node}) is alive", details={"node": node})
+            if node not in self.cluster.members and node not in self._learning:
+                self._learning.add(node)
+                self._spawn(self._learn_member(node))
+
+    async def _learn_member(self, node: str) -> None:
+        """A node admitted by another member is heard of by gossip before its certificate arrives; a push-pull with a
+        member whose certificate we have brings it at once (not at the next periodic one, up to 30 s away), so TLS
+        with the newcomer, and its document, work from the start."""
+        try:
+            for attempt in range(3):
+                known = [m for m in self._others() if m.node != node and m.node in self.cluster.members and m.state == MemberState.ALIVE]
+                random.shuffle(known)
+                for member in known[:2]:
+                    await self._push_pull(member.addr)
+                    if node in self.cluster.members:
+                        return
+                await asyncio.sleep(1.0 + attempt)
+        finally:
+            self._learning.discard(node)
 
     def _others(self) -> list[Any]:
         return [m for m in self.membership.members() if m.node != self.node_id]
@@ -357,15 +380,21 @@ class Mesh:
         self._drain(now)
 
     async def _fetch_document(self, notice: DocumentNotice) -> None:
-        known = self.view.knows(notice.node)
-        if known is not None and known >= (notice.generation, notice.version):
-            return
-        member = self.membership.member(notice.node)
-        if member is None:
-            return
-        answer = await self._call(member.addr, {"op": "document", "node": notice.node})
-        if answer and isinstance(answer.get("document"), bytes):
-            self._take_document(answer["document"])
+        """Fetch the document a notice announces; a failed fetch is tried again shortly (the node may not publish
+        another version for 10 s, and until then this view would lack it)."""
+        for delay in DOCUMENT_RETRIES:
+            if delay:
+                await asyncio.sleep(delay)
+            known = self.view.knows(notice.node)
+            if known is not None and known >= (notice.generation, notice.version):
+                return
+            member = self.membership.member(notice.node)
+            if member is None:
+                return
+            answer = await self._call(member.addr, {"op": "document", "node": notice.node})
+            if answer and isinstance(answer.get("document"), bytes):
+                self._take_document(answer["document"])
+                return
 
     def _take_document(self, data: bytes) -> None:
         try:
