@@ -319,7 +319,26 @@ def test_a_person_sees_every_node_gpu_and_lease_in_chromium_and_a_new_lease_arri
     assert not errors, f"the pages raised JavaScript errors: {errors}"
 
 
-def test_every_page_fits_a_phone_without_scrolling_sideways(cluster: dict[str, BrokerProcess], browser: Any) -> None:
+def test_eight_tabs_share_one_stream_and_every_page_fits_a_phone(cluster: dict[str, BrokerProcess], browser: Any) -> None:
+    # Browsers allow six connections per host: were each tab to hold its own stream, the seventh would hang.
+    first = tab(browser, cluster["nuc"].url, PASSWORD)
+    pages = [first.open("/leases")] + [first.page.context.new_page() for _ in range(7)]
+    for page in pages[1:]:
+        page.goto(first.base + "/leases")
+    for page in pages:
+        wait_live(page)
+    grant(cluster["tower"], "eight-tabs", 1 * GIB, 1)
+    started = time.monotonic()
+    for number, page in enumerate(pages, 1):
+        try:
+            page.locator(".holder", has_text="eight-tabs").wait_for(
+                timeout=max(100, int((started + LIVE_WITHIN - time.monotonic()) * 1000))
+            )
+        except Timeout:
+            raise AssertionError(f"tab {number} of 8 did not show a new lease within {LIVE_WITHIN} s") from None
+    print(f"\na new lease reached all 8 tabs of one browser in {time.monotonic() - started:.2f} s")
+    assert not first.errors, f"the tabs raised JavaScript errors: {first.errors}"
+
     phone = tab(browser, cluster["tower"].url, PASSWORD, viewport=PHONE)
     for path in ("/", "/node", "/leases", "/events", "/mesh"):
         page = phone.open(path)
