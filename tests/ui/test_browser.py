@@ -25,6 +25,7 @@ import pytest
 from browser import PHONE, Tab, Timeout, chromium, screenshot, tab, unavailable
 from conftest import BrokerProcess, free_port, wait_for
 
+from gpubroker.gossip.cluster import decode_token
 from gpubroker.ui.auth import hash_password
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
@@ -338,6 +339,15 @@ def test_eight_tabs_share_one_stream_and_every_page_fits_a_phone(cluster: dict[s
             raise AssertionError(f"tab {number} of 8 did not show a new lease within {LIVE_WITHIN} s") from None
     print(f"\na new lease reached all 8 tabs of one browser in {time.monotonic() - started:.2f} s")
     assert not first.errors, f"the tabs raised JavaScript errors: {first.errors}"
+
+    # An admin invites a node from the Mesh page: the join token is shown, and it is one the cluster takes.
+    mesh = first.open("/mesh")
+    mesh.get_by_role("button", name="invite a node").click()
+    notice = mesh.locator("#notice")
+    notice.wait_for(timeout=5000)
+    token = notice.inner_text().removeprefix("invite a node: ")
+    decode_token(token)  # a malformed or missing token raises here
+    assert "mesh.invite" in {e["type"] for e in cluster["nuc"].client().call("GET", "/v1/events", query={"limit": 1000})["events"]}
 
     phone = tab(browser, cluster["tower"].url, PASSWORD, viewport=PHONE)
     for path in ("/", "/node", "/leases", "/events", "/mesh"):
