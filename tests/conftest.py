@@ -18,6 +18,20 @@ import pytest
 
 from gpubroker.client import Client, Endpoint
 
+REPO = Path(__file__).resolve().parents[1]
+BINARY = REPO / "build" / "dist" / "gpubroker" / "gpubroker"  # what packaging/build makes
+
+
+@pytest.fixture(params=["installed", pytest.param("binary", marks=pytest.mark.slow)])
+def gpubroker(request: pytest.FixtureRequest) -> list[str]:
+    """The command under test: the console script pip installed, or the PyInstaller build (a failure if missing)."""
+    command = Path(sys.executable).with_name("gpubroker") if request.param == "installed" else BINARY
+    if not command.exists():
+        # A failure, not a skip: the slow tier exists to prove the binary, and a missing one proves nothing.
+        how = "run packaging/build first" if command == BINARY else "run pip install -e '.[test]' first"
+        pytest.fail(f"{command} is missing: {how}")
+    return [str(command)]
+
 
 def free_port() -> int:
     with socket.socket() as sock:

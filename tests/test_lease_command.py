@@ -10,19 +10,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BrokerProcess, wait_for
+from conftest import BINARY, BrokerProcess, wait_for
 
 from gpubroker.client import Client
 
-REPO = Path(__file__).resolve().parents[1]
-BINARY = REPO / "build" / "dist" / "gpubroker" / "gpubroker"
 GIB = 2**30
 MakeBroker = Callable[..., BrokerProcess]  # the broker_process fixture: a factory of brokers
 
@@ -44,20 +41,8 @@ wait
 """
 
 
-@pytest.fixture(params=["installed", pytest.param("binary", marks=pytest.mark.slow)])
-def gpubroker(request: pytest.FixtureRequest) -> list[str]:
-    """The command under test: the console script pip installed, or the PyInstaller build."""
-    if request.param == "installed":
-        return [str(Path(sys.executable).with_name("gpubroker"))]
-    return [str(BINARY)]
-
-
 def start_broker(gpubroker: list[str], broker_process: MakeBroker) -> BrokerProcess:
     """`gpubroker up` from the command under test, on one simulated 24 GiB GPU."""
-    if not Path(gpubroker[0]).exists():
-        # A failure, not a skip: the slow tier exists to prove the binary, and a missing one proves nothing.
-        how = "run packaging/build first" if gpubroker == [str(BINARY)] else "run pip install -e '.[test]' first"
-        pytest.fail(f"{gpubroker[0]} is missing: {how}")
     return broker_process("1x24GiB", command=gpubroker).start()
 
 

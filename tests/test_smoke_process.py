@@ -1,4 +1,14 @@
-from conftest import BrokerProcess
+"""The broker as users start it: the installed command and the built binary, API, pages and HTTPS."""
+
+from __future__ import annotations
+
+import ssl
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import BrokerProcess, free_port
 
 
 def test_a_broker_process_reports_its_simulated_gpu(broker_process: type[BrokerProcess]) -> None:
@@ -6,3 +16,54 @@ def test_a_broker_process_reports_its_simulated_gpu(broker_process: type[BrokerP
     node = broker.client().call("GET", "/v1/node")
     assert [g["uuid"] for g in node["gpus"]] == ["GPU-sim-0"]
     assert node["gpus"][0]["figures"]["total"] == 24 * 2**30
+
+
+def test_the_web_ui_is_served_with_its_assets_and_on_a_lan_address_over_https(
+    gpubroker: list[str], broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    """Pages, stylesheet and script come from the package (or the binary's bundle); a LAN address takes a
+    password, then serves HTTPS on the node's own P-256 certificate (the binary bundles what that needs)."""
+    broker = broker_process("1x24GiB", command=gpubroker).start()
+    for path, kind, marker in (
+        ("/", "text/html", "GPU-sim-0"),
+        ("/static/live.js", "javascript", "EventSource"),
+        ("/static/style.css", "css", "--schedulable"),
+    ):
+        with urllib.request.urlopen(broker.url + path, timeout=10) as answer:
+            assert kind in answer.headers["Content-Type"], path
+            assert marker in answer.read().decode(), path
+    broker.stop()
+
+    refused = subprocess.run(
+        [
+            *gpubroker,
+            "up",
+            "--state",
+            str(tmp_path / "lan"),
+            "--socket",
+            str(tmp_path / "lan.sock"),
+            "--listen",
+            f"0.0.0.0:{free_port()}",
+            "--simulate-gpus",
+            "1x24GiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert "ui_password_hash" in refused.stderr
+    made = subprocess.run(
+        [*gpubroker, "password"], input="a long enough password\n", capture_output=True, text=True, timeout=60, check=True
+    )
+    config = tmp_path / "lan.toml"
+    config.write_text(made.stdout)
+    port = free_port()
+    lan = broker_process("1x24GiB", ["--config", str(config), "--listen", f"0.0.0.0:{port}"], command=gpubroker)
+    lan.port = port
+    lan.start()
+    context = ssl.create_default_context(cafile=str(lan.state / "ui" / "cert.pem"))
+    with pytest.raises(urllib.error.HTTPError) as unauthenticated:
+        urllib.request.urlopen(f"https://127.0.0.1:{port}/", context=context, timeout=10)
+    assert unauthenticated.value.code == 401
+    assert 'action="/login"' in unauthenticated.value.read().decode()
