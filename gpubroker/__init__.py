@@ -1,3 +1,3 @@
 """gpubroker: leases on GPU memory, whole GPUs, CPU cores and host memory, brokered per machine."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
