@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import struct
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -168,15 +169,24 @@ async def _authenticate(request: web.Request) -> None:
     request[SESSION] = session
 
 
+_BY_CONNECTION: weakref.WeakKeyDictionary[Any, Caller] = weakref.WeakKeyDictionary()
+_TCP = Caller("tcp")
+
+
 def _caller(request: web.Request) -> Caller:
-    """On the Unix socket the kernel names the caller (SO_PEERCRED); on TCP nobody does."""
+    """On the Unix socket the kernel names the caller (SO_PEERCRED, read once per connection); on TCP nobody does."""
     if CALLER in request:
         return request[CALLER]
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    caller = Caller("tcp")
-    if sock is not None and sock.family == socket.AF_UNIX:
-        pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        caller = Caller("unix", uid=uid, pid=pid or None)
+    transport = request.transport
+    caller = _BY_CONNECTION.get(transport) if transport is not None else None
+    if caller is None:
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        caller = _TCP
+        if sock is not None and sock.family == socket.AF_UNIX:
+            pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            caller = Caller("unix", uid=uid, pid=pid or None)
+        if transport is not None:
+            _BY_CONNECTION[transport] = caller
     request[CALLER] = caller
     return caller
 
