@@ -75,11 +75,11 @@ class Tab:
         return self.page
 
 
-def tab(browser: Browser, base: str, password: str | None = None, viewport: dict[str, int] = VIEWPORT) -> Tab:
+def tab(browser: Browser, base: str, password: str | None = None, viewport: dict[str, int] = VIEWPORT, dark: bool = False) -> Tab:
     """A fresh context (cookies, storage) and page for the node at `base`, e.g. http://127.0.0.1:PORT, signed in
     through the login form when a password is given. Each node is an origin of its own, so a tab signs in once and
     every page it opens afterwards is signed in."""
-    page = browser.new_context(viewport=viewport).new_page()
+    page = browser.new_context(viewport=viewport, color_scheme="dark" if dark else "light").new_page()
     found = Tab(page, base.rstrip("/"))
     page.on("pageerror", lambda error: found.errors.append(str(error)))
     if password is not None:

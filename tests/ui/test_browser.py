@@ -356,3 +356,11 @@ def test_eight_tabs_share_one_stream_and_every_page_fits_a_phone(cluster: dict[s
         assert wide <= 1, f"{path} is {wide} px wider than a {PHONE['width']} px phone"
     screenshot(phone.open("/"), "cluster-phone.png")
     assert not phone.errors, f"the pages raised JavaScript errors on a phone: {phone.errors}"
+
+    # Light and dark follow the system setting.
+    background = "() => getComputedStyle(document.body).backgroundColor"
+    light = phone.open("/").evaluate(background)
+    night = tab(browser, cluster["tower"].url, PASSWORD, dark=True)
+    dark = night.open("/").evaluate(background)
+    assert light != dark, f"the page has the same background ({light}) in light and dark mode"
+    screenshot(night.page, "cluster-dark.png")
