@@ -137,7 +137,7 @@ class Client:
     def text(self, path: str) -> str:
         connection = self.endpoint.connection(self.timeout)
         try:
-            connection.request("GET", path)
+            connection.request("GET", path, headers={"Authorization": f"Bearer {self.token}"} if self.token else {})
             return connection.getresponse().read().decode()
         finally:
             connection.close()

@@ -451,7 +451,7 @@ class Mesh:
                 return {"document": self._own_document}
             return {"error": "only a node's own document is served by it"}
         if op == "release":
-            return await self._forwarded_release(request)
+            return await self._forwarded_release(peer, request)
         if op == "keys" and isinstance(request.get("change"), dict) and len(request["change"]) == 1:
             try:
                 self._apply_keys(request["change"])
@@ -519,15 +519,17 @@ class Mesh:
         self.broker.record_event("mesh.join.approved", f"node {node} was approved and may join", details={"node": node})
         return self.nodes_json()
 
-    async def _forwarded_release(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _forwarded_release(self, peer: str | None, request: dict[str, Any]) -> dict[str, Any]:
         lease = request.get("lease")
         token = request.get("token")
         admin = request.get("admin")
         if not isinstance(lease, str) or not (token is None or isinstance(token, str)) or not (admin is None or isinstance(admin, str)):
             return {"error": "release needs a lease id"}
-        # An admin of a member (signed in to its UI, or holding its API token) may release here: the member is
-        # authenticated by mutual TLS, and the reason names who it was.
-        caller = Caller("peer", admin=admin[:200] if admin else None)
+        # An admin of a member (signed in to its UI, its API token, root on its socket) may release here: the member
+        # is authenticated by mutual TLS, and the reason names it by its own identity, whatever the request says.
+        kinds = ("the web UI", "the API token", "root on the Unix socket", "the broker's own user on the Unix socket")
+        who = f"{admin} of {self._name_of(peer)}" if admin in kinds and peer is not None else None
+        caller = Caller("peer", admin=who)
         try:
             released = await self.broker.release(lease, caller, token)
         except BrokerError as error:

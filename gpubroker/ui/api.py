@@ -133,7 +133,10 @@ def _check_origin(request: web.Request) -> None:
         return
     origin = request.headers.get("Origin")
     host = request.headers.get("Host", "")
-    if request.headers.get("Sec-Fetch-Site") == "cross-site" or (origin is not None and urlsplit(origin).netloc.lower() != host.lower()):
+    own = (request.scheme, host.lower())
+    if request.headers.get("Sec-Fetch-Site") == "cross-site" or (
+        origin is not None and (urlsplit(origin).scheme.lower(), urlsplit(origin).netloc.lower()) != own
+    ):
         raise Forbidden(
             f"a change sent from another site ({origin or 'cross-site'}) is refused; use this broker's own pages or the API",
             {"origin": origin, "host": host},
@@ -281,16 +284,27 @@ async def add_process_group(request: web.Request) -> web.Response:
 
 async def release_lease(request: web.Request) -> web.Response:
     lease_id = request.match_info["id"]
+    caller = _caller(request)
     try:
-        lease = await request.app[BROKER].release(lease_id, _caller(request), _token(request))
-    except NotFound:
+        lease = await request.app[BROKER].release(lease_id, caller, _token(request))
+    except NotFound as missing:
         mesh = request.app[MESH].mesh
-        caller = _caller(request)
-        forwarded = await mesh.forward_release(lease_id, _token(request), caller.admin) if mesh is not None else None
+        if mesh is None or missing.details.get("cancelled"):
+            raise  # no other node to ask, or it was a request waiting here, now cancelled
+        forwarded = await mesh.forward_release(lease_id, _token(request), _forwarded_admin(caller))
         if forwarded is None:
             raise
         return web.json_response({"lease": forwarded})  # released by its own node, which authorised it
     return web.json_response({"lease": lease.to_json()})
+
+
+def _forwarded_admin(caller: Caller) -> str | None:
+    """What this node vouches for when it forwards a release: an admin's kind (the owner adds this node's name)."""
+    if caller.admin is not None:
+        return "the web UI" if caller.admin.startswith("the web UI") else "the API token"
+    if caller.uid is not None and caller.uid in (0, os.geteuid()):
+        return "root on the Unix socket" if caller.uid == 0 else "the broker's own user on the Unix socket"
+    return None
 
 
 async def node(request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ not this broker is refused whatever it carries.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1  # ~16 MiB and a few tens of ms per guess
+SCRYPT_MEMORY = 2**27  # the most one guess may use; a stored hash may ask for half of it
 SESSION_COOKIE = "gpubroker_session"
 CSRF_HEADER = "X-CSRF-Token"
 CSRF_FIELD = "csrf"
@@ -62,15 +64,17 @@ def parse_hash(stored: str) -> tuple[int, int, int, bytes, bytes]:
         salt, digest = _unb64(parts[4]), _unb64(parts[5])
     except ValueError:
         raise PasswordError("has a field that is not a number or base64; make one with `gpubroker password`") from None
-    if n < 2**10 or n & (n - 1) or n > 2**20 or not 1 <= r <= 32 or not 1 <= p <= 16 or len(salt) < 8 or len(digest) < 16:
+    if n < 2**10 or n & (n - 1) or not 1 <= r <= 32 or not 1 <= p <= 16 or len(salt) < 8 or len(digest) < 16:
         raise PasswordError("has parameters out of range; make one with `gpubroker password`")
+    if 128 * r * n > SCRYPT_MEMORY // 2:
+        raise PasswordError(f"asks scrypt for more than {SCRYPT_MEMORY // 2**21} MiB per guess; make one with `gpubroker password`")
     return n, r, p, salt, digest
 
 
 def verify_password(password: str, stored: str) -> bool:
     """Whether `password` is the one `stored` was made from (constant time in the digest)."""
     n, r, p, salt, digest = parse_hash(stored)
-    guess = hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, dklen=len(digest), maxmem=2**27)
+    guess = hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, dklen=len(digest), maxmem=SCRYPT_MEMORY)
     return hmac.compare_digest(guess, digest)
 
 
@@ -89,23 +93,27 @@ def api_token_path(state_dir: Path) -> Path:
 
 
 def load_or_create_api_token(state_dir: Path) -> str:
-    """The node's API token, made once (readable by the broker's user alone) and kept across restarts."""
+    """The node's API token, made once (readable by the broker's user alone) and kept across restarts.
+
+    It is written whole to a file of its own, then linked into place: two processes making it at once (the
+    broker starting, `gpubroker token`) end with the same one, and nobody ever reads half a token."""
     path = api_token_path(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        token = path.read_text().strip()
-        if token:
-            return token
-        path.unlink()  # an empty file left by a crash between create and write
-        return load_or_create_api_token(state_dir)
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as out:
-        out.write(token + "\n")
-        out.flush()
-        os.fsync(out.fileno())
-    return token
+    if not path.exists():
+        fresh = path.with_name(f".api_token.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(32) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+            with contextlib.suppress(FileExistsError):
+                os.link(fresh, path)  # the first to link wins; the others read its token below
+        finally:
+            fresh.unlink()
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)  # a token others can read is no secret
+    return path.read_text().strip()
 
 
 @dataclass(slots=True)

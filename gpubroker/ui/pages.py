@@ -15,6 +15,7 @@ from datetime import datetime
 from html import escape
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 from aiohttp import web
 
@@ -62,8 +63,11 @@ def moment(at: float | str | None, now: float) -> str:
     """A time as "3 min ago" or "in 5 min", with the exact RFC 3339 time on hover."""
     if at is None:
         return '<span class="muted">never</span>'
-    stamp = datetime.fromisoformat(at).timestamp() if isinstance(at, str) else at
-    exact = rfc3339(stamp)
+    try:
+        stamp = datetime.fromisoformat(at).timestamp() if isinstance(at, str) else float(at)
+        exact = rfc3339(stamp)
+    except (ValueError, TypeError, OverflowError, OSError):
+        return f'<span class="muted">{e(at)}</span>'  # another node's document said something that is not a time
     words = f"{ago(now - stamp)} ago" if stamp <= now else f"in {ago(stamp - now)}"
     return f'<time datetime="{exact}" title="{exact}">{words}</time>'
 
@@ -328,7 +332,11 @@ def leases_region(request: web.Request) -> str:
             moment(r["expires"], now) if r["expires"] else "—",
             f'<span class="state state-{e(r["state"])}">{e(r["state"])}</span>',
             f"<code>{e(r['id'])}</code>",
-            *([action("DELETE", f"/v1/leases/{r['id']}", "release" if r["state"] != "queued" else "cancel")] if admin else []),
+            *(
+                [action("DELETE", f"/v1/leases/{quote(str(r['id']), safe='')}", "release" if r["state"] != "queued" else "cancel")]
+                if admin
+                else []
+            ),
         ]
         for r in shown
     ]
@@ -395,7 +403,11 @@ def mesh_region(request: web.Request) -> str:
                 e(seen.get("incarnation", "—")),
                 e(seen.get("addr", "—")),
                 moment(now - age, now) if age is not None else "—",
-                *([action("DELETE", f"/v1/cluster/nodes/{member['id']}", "remove") if not seen.get("self") else ""] if admin else []),
+                *(
+                    [action("DELETE", f"/v1/cluster/nodes/{quote(str(member['id']), safe='')}", "remove") if not seen.get("self") else ""]
+                    if admin
+                    else []
+                ),
             ]
         )
     pending = [
@@ -404,7 +416,7 @@ def mesh_region(request: web.Request) -> str:
             f"<code>{e(p['id'])}</code>",
             e(p["addr"]),
             f"<code>{e(p['fingerprint'])}</code>",
-            *([action("POST", f"/v1/cluster/nodes/{p['id']}/approve", "approve")] if admin else []),
+            *([action("POST", f"/v1/cluster/nodes/{quote(str(p['id']), safe='')}/approve", "approve")] if admin else []),
         ]
         for p in nodes["pending"]
     ]
@@ -476,8 +488,12 @@ def shell(request: web.Request, page: str, region: str) -> str:
 
 
 def _local_path(target: str | None) -> str:
-    """Where to go after signing in: a path of this broker, never another site."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+    """Where to go after signing in: a path of this broker, never another site (browsers drop tabs and newlines,
+    and read a backslash as a slash, so any of them could turn "/" + "/evil.example" into another site)."""
+    if not target or not target.isprintable() or "\\" in target:
+        return "/"
+    parts = urlsplit(target)
+    if parts.scheme or parts.netloc or not target.startswith("/") or target.startswith("//"):
         return "/"
     return target
 

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from gpubroker.broker.lease import ENDED
 from gpubroker.errors import FailureCode, InvalidRequest, Refusal
-from gpubroker.ui.api import BROKER, cluster_view
+from gpubroker.ui.api import BROKER, GUARD, SESSION, cluster_view
 
 HEARTBEAT_EVERY = 15.0  # seconds of quiet before a comment line; proxies drop idle connections
 POLL_EVERY = 0.2  # how often a stream compares the broker's newest event seq (an int in memory) with its own
@@ -129,9 +129,12 @@ async def stream(request: web.Request) -> web.StreamResponse:
         last_write = loop.time()
         last_look = -CLUSTER_EVERY
         seen: str | None = None
+        session = request.get(SESSION)
         while not streams.closing.is_set():
             if request.transport is None or request.transport.is_closing():
                 break  # the browser went away between two writes
+            if session is not None and request.app[GUARD].sessions.get(session.id) is None:
+                break  # signed out, or the session expired: what it opened ends with it
             now = loop.time()
             out: list[bytes] = []
             found: list[dict[str, Any]] = []

@@ -8,14 +8,17 @@ with GPUBROKER_URL, GPUBROKER_TOKEN and GPUBROKER_CA.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import ssl
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -27,8 +30,19 @@ from fakes import GIB, FakeClock, FakeGpuProbe
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config, ConfigError, load_config
-from gpubroker.ui.api import make_app
-from gpubroker.ui.auth import SESSION_COOKIE, Guard, PasswordError, Sessions, hash_password, parse_hash, verify_password
+from gpubroker.ui import stream
+from gpubroker.ui.api import MESH, make_app
+from gpubroker.ui.auth import (
+    SESSION_COOKIE,
+    Guard,
+    PasswordError,
+    Sessions,
+    api_token_path,
+    hash_password,
+    load_or_create_api_token,
+    parse_hash,
+    verify_password,
+)
 
 PASSWORD = "correct horse battery"
 TOKEN = "node-api-token-for-tests"
@@ -255,3 +269,100 @@ def test_with_a_password_it_serves_https_on_a_p256_certificate_and_the_cli_needs
     assert "UNAUTHORIZED" in refused.stderr
     shown = subprocess.run(status, env={**env, "GPUBROKER_TOKEN": token}, capture_output=True, text=True, timeout=30, check=True)
     assert json.loads(shown.stdout)["node"]["gpus"][0]["uuid"] == "GPU-sim-0"
+
+
+# ----- what a review of the rules found --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/\t/evil.example/",
+        "/\n/evil.example/",
+        "/\r/evil.example/",
+        "//evil.example/",
+        "/\\evil.example/",
+        "https://evil.example/",
+        "javascript:alert(1)",
+    ],
+)
+async def test_signing_in_never_sends_the_browser_to_another_site(guarded: tuple[TestClient[Any, Any], Broker], target: str) -> None:
+    client, _ = guarded
+    form = await (await client.get("/login", params={"next": target})).text()
+    assert 'name="next" value="/"' in form
+    answer = await client.post("/login", data={"password": PASSWORD, "next": target}, allow_redirects=False)
+    assert answer.status == 303
+    assert answer.headers["Location"] == "/"
+
+
+async def test_an_open_stream_ends_when_its_session_signs_out(
+    guarded: tuple[TestClient[Any, Any], Broker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream, "POLL_EVERY", 0.05)
+    client, broker = guarded
+    csrf = await sign_in(client)
+    answer = await client.get("/v1/stream")
+    assert answer.status == 200
+    await answer.content.readuntil(b"\n\n")  # connected
+    assert (await client.post("/logout", data={"csrf": csrf}, allow_redirects=False)).status == 303
+    broker.record_event("test.after_sign_out", "nobody signed out should see this")
+    rest = await asyncio.wait_for(answer.content.read(), 5)  # the end of the stream, not a heartbeat's wait
+    assert b"test.after_sign_out" not in rest
+    answer.close()
+
+
+async def test_a_change_from_the_same_host_under_another_scheme_is_refused(guarded: tuple[TestClient[Any, Any], Broker]) -> None:
+    client, broker = guarded
+    csrf = await sign_in(client)
+    other = f"https://{client.server.host}:{client.server.port}"
+    answer = await client.post("/v1/leases", json={"gpu_memory": "1GiB"}, headers={"X-CSRF-Token": csrf, "Origin": other})
+    assert await error_of(answer) == (403, "FORBIDDEN")
+    assert broker.list_leases(None, 10) == []
+
+
+def test_a_hash_that_asks_scrypt_for_too_much_memory_is_refused_when_the_config_is_read(tmp_path: Path) -> None:
+    greedy = hash_password(PASSWORD, n=FAST).replace(f"scrypt${FAST}$", f"scrypt${2**17}$", 1)
+    with pytest.raises(PasswordError, match="MiB"):
+        parse_hash(greedy)
+    parse_hash(hash_password(PASSWORD))  # what `gpubroker password` makes is always usable
+
+
+def test_the_api_token_is_one_however_many_make_it_at_once_and_only_its_owner_reads_it(tmp_path: Path) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        tokens = set(pool.map(lambda _: load_or_create_api_token(tmp_path), range(32)))
+    assert len(tokens) == 1
+    path = api_token_path(tmp_path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in path.parent.iterdir()) == ["api_token"]  # no half-made files left
+    path.chmod(0o644)
+    assert load_or_create_api_token(tmp_path) == tokens.pop()
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+async def test_ids_from_other_nodes_documents_are_quoted_in_the_urls_of_buttons(tmp_path: Path) -> None:
+    client, broker = await serve(tmp_path, password=True)
+    app = client.server.app
+    assert app is not None
+    hostile = "../cluster/nodes/n-victim"
+
+    class Elsewhere:  # a mesh whose view holds another node's document with a hostile lease id
+        def cluster_json(self) -> dict[str, Any]:
+            lease = {"id": hostile, "holder": "x", "gpus": [[0, GIB]], "priority": "background", "granted_at": "not a time"}
+            other = {"id": "n-other", "name": "other", "state": "alive", "self": False, "age": 1.0, "document": {"leases": [lease]}}
+            return {"nodes": [{**cluster_view_alone(broker), "self": True}, other], "coordinator": None}
+
+    app[MESH].mesh = Elsewhere()  # type: ignore[assignment]
+    try:
+        await sign_in(client)
+        page = await (await client.get("/leases")).text()
+        assert f'data-url="/v1/leases/{quote(hostile, safe="")}"' in page
+        assert 'data-url="/v1/leases/../' not in page
+        assert "not a time" in page  # shown as it came, not a server error
+    finally:
+        app[MESH].mesh = None
+        await client.close()
+        await broker.close()
+
+
+def cluster_view_alone(broker: Broker) -> dict[str, Any]:
+    return {"id": broker.node_id, "name": broker.config.name, "state": "alive", "age": 0.0, **broker.node_json()}
