@@ -551,20 +551,17 @@ class Broker:
         try:
             # Commit before replying: a crash in between must leave a lease without a
             # client, never a client without a lease.
-            await asyncio.shield(commit)
+            await commit
         except asyncio.CancelledError:
-            # The client went away mid-commit: the lease must not outlive the request.
-            self._spawn(self._release_when_durable(commit, lease))
+            # The client went away mid-commit: the lease must not outlive the request. Its end is handed to
+            # the writer behind the grant (first in, first out): on disk they land together, or the grant first.
+            # (Awaiting the commit itself, not a shield around it, saves the answer a turn of the loop.)
+            if lease.live:
+                self.store.submit(self._end(lease, "released", "the requester disconnected before the grant was answered"))
             raise
         except BrokerError:
             self._rollback(lease)
             raise
-
-    async def _release_when_durable(self, commit: asyncio.Future[None], lease: Lease) -> None:
-        with contextlib.suppress(BrokerError):
-            await commit
-            if lease.live:
-                await self.store.commit(self._end(lease, "released", "the requester disconnected before the grant was answered"))
 
     def _rollback(self, lease: Lease) -> None:
         """A grant that could not be made durable never happened (its epochs stay used: they only grow)."""

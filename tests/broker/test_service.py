@@ -500,3 +500,20 @@ async def test_epochs_still_grow_after_the_leases_that_held_them_left_the_histor
     fresh, _ = await node.ask(gpu_memory="1GiB")
     assert fresh["epoch"] > made[-1][0]["epoch"]
     assert fresh["gpus"][0]["epoch"] > made[-1][0]["gpus"][0]["epoch"]
+
+
+async def test_a_grant_whose_client_goes_away_while_it_syncs_is_released_and_stays_released(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    task = asyncio.create_task(node.ask(gpu_memory="10GiB", holder={"name": "gone"}))
+    await asyncio.sleep(0)  # the grant is decided and handed to the writer; its client goes before the answer
+    task.cancel()
+    assert (await asyncio.gather(task, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+    await settle()
+    assert node.broker.leases == {}  # the room is free at once
+    [ended] = node.broker.list_leases(None, 10)
+    assert (ended["state"], ended["reason"]) == ("released", "the requester disconnected before the grant was answered")
+    await node.restart()
+    assert node.broker.leases == {}
+    assert [lease["state"] for lease in node.broker.list_leases(None, 10)] == ["released"]
+    lease, _ = await node.ask(gpu_memory="23GiB")  # and all of it can be granted again
+    assert lease["state"] == "granted"
