@@ -545,9 +545,7 @@ class Broker:
         return lease, token
 
     async def _make_durable(self, lease: Lease, writes: list[Write], meanwhile: Callable[[], None] | None = None) -> None:
-        commit = self.store.commit(writes)
-        if meanwhile is not None:
-            meanwhile()  # the writer thread syncs without the GIL: this work costs the answer nothing
+        commit = self.store.commit(writes, meanwhile)  # `meanwhile` runs while the writer thread syncs
         try:
             # Commit before replying: a crash in between must leave a lease without a
             # client, never a client without a lease.

@@ -9,9 +9,11 @@ and resolves the waiting futures in one hop back to the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ class _Batch:
     writes: list[Write]
     future: asyncio.Future[None] | None
     loop: asyncio.AbstractEventLoop | None = None
+    while_syncing: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -106,15 +109,17 @@ class Store:
             self._thread = None
             self._env.close()
 
-    def commit(self, writes: list[Write]) -> asyncio.Future[None]:
+    def commit(self, writes: list[Write], while_syncing: Callable[[], None] | None = None) -> asyncio.Future[None]:
         """Done once the writes are synced to disk; StoreFull if they do not fit (nothing is changed).
 
         The writes are handed over at once, in call order, and a plain future comes back:
-        no task to schedule on the way to the disk or on the way back.
+        no task to schedule on the way to the disk or on the way back. `while_syncing` is
+        called on the loop once the writer has the transaction ready and is syncing it (with
+        the GIL released), so work such as preparing the answer costs the answer nothing.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        self._queue.put(_Batch(writes, future, loop))
+        self._queue.put(_Batch(writes, future, loop, while_syncing))
         return future
 
     def submit(self, writes: list[Write]) -> None:
@@ -156,6 +161,10 @@ class Store:
                                 oldest = _KEY.unpack(write.key)[0] - self._events_kept
                                 if oldest > 0:
                                     txn.delete(seq_key(oldest), db=db)
+                for batch in batches:  # the commit below syncs without the GIL: the loop can work meanwhile
+                    if batch.while_syncing is not None and batch.loop is not None:
+                        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
+                            batch.loop.call_soon_threadsafe(batch.while_syncing)
             self.commits += 1
             return None
         except lmdb.MapFullError:
