@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from gpubroker import __version__
 from gpubroker.broker import holders
-from gpubroker.broker.budget import Budget, GpuLeases, compute_budgets, index_leases, over_declared
+from gpubroker.broker.budget import Budget, GpuLeases, compute_budget, compute_budgets, index_leases, over_declared
 from gpubroker.broker.decide import HostBudget, Placement, candidates, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token
 from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeError, sample_host
@@ -131,6 +131,7 @@ class Broker:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch: holders.HolderWatch | None = None
         self._budgets: list[Budget] | None = None
+        self._stale: set[int] = set()  # accelerators (by index) whose budget must be computed again
         self._on_gpu: dict[int, GpuLeases] = {}  # the live leases by accelerator, kept as they come and go
 
     # ----- start and stop -------------------------------------------------
@@ -297,20 +298,31 @@ class Broker:
     # ----- the figures ----------------------------------------------------
 
     def budgets(self) -> list[Budget]:
-        """Every accelerator's budget, computed once per change of readings or leases."""
+        """Every accelerator's budget, computed once per change of readings, and of leases on that accelerator."""
         if self._budgets is None:
             self._budgets = compute_budgets(self.readings, self._on_gpu, self.config.reserve)
+            self._stale.clear()
+        elif self._stale:
+            stale, reserve = self._stale, self.config.reserve
+            self._budgets = [
+                compute_budget(b.reading, self._on_gpu.get(b.reading.index) or GpuLeases(), reserve) if b.reading.index in stale else b
+                for b in self._budgets
+            ]
+            stale.clear()
         return self._budgets
 
-    def _changed(self) -> None:
-        """Readings or leases changed: the budgets must be computed again."""
-        self._budgets = None
+    def _changed(self, lease: Lease | None = None) -> None:
+        """Readings changed, or a lease's: every budget, or those of the lease's accelerators, must be computed again."""
+        if lease is None:
+            self._budgets = None
+        else:
+            self._stale.update(gpu.index for gpu in lease.gpus)
 
     def _hold(self, lease: Lease) -> None:
         self.leases[lease.id] = lease
         for gpu in lease.gpus:
             self._on_gpu.setdefault(gpu.index, GpuLeases()).add(lease, gpu.bytes)
-        self._changed()
+        self._changed(lease)
 
     def _unhold(self, lease: Lease) -> None:
         self.leases.pop(lease.id, None)
@@ -318,7 +330,7 @@ class Broker:
             held = self._on_gpu.get(gpu.index)
             if held is not None:
                 held.remove(lease.id)
-        self._changed()
+        self._changed(lease)
 
     def host_budget(self) -> HostBudget:
         cores = sum(lease.cpu_cores for lease in self.leases.values())
@@ -710,7 +722,7 @@ class Broker:
             raise InvalidRequest(f"process group {pgid} does not exist", {"field": "pgid"})
         if pgid not in lease.pgids:
             lease.pgids.append(pgid)
-            self._changed()
+            self._changed(lease)  # its processes on its accelerators are now its own
             await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
         return lease
 

@@ -199,13 +199,17 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
     if not raw.strip() and optional:
         return {}
     try:
-        return json.loads(raw, parse_constant=_no_constant)
+        # What json.loads does with bytes, with one decoder made once (json.loads makes one per call when given options).
+        return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except (ValueError, RecursionError):
         raise InvalidRequest("the body is not valid JSON") from None
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity are not JSON
 
 
 def _int_query(request: web.Request, name: str, default: int, low: int, high: int) -> int:
