@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -91,6 +92,7 @@ def parse_time(value: object) -> float:
     return timestamp
 
 
+@functools.lru_cache(maxsize=4096)  # a lease's times are written in every answer and page that shows it
 def rfc3339(timestamp: float) -> str:
     """The RFC 3339 form of a Unix time, in UTC, to the millisecond."""
     moment = datetime.fromtimestamp(timestamp, UTC)
