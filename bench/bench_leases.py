@@ -20,29 +20,26 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import json
-import math
 import os
-import platform
 import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import common  # bench/common.py: run as a script, this folder is on the path
 import lmdb
 import psutil
 from aiohttp import web
+from common import BenchError, conduct, percentile
 
 from gpubroker.broker.store import Store, Write, seq_key
 
@@ -58,10 +55,6 @@ GOALS = {
     "rss_1000_leases_mb": ("<", 80.0),
     "start_to_ready_s": ("<=", 1.5),
 }
-
-
-class BenchError(Exception):
-    """The benchmark cannot go on (a process did not start, a request failed): never a slow figure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +75,6 @@ QUICK = Plan(repeats=1, lmdb_commits=200, latency_pairs=150, pairs={16: 300, 64:
 
 
 # ----- figures ---------------------------------------------------------------
-
-
-def percentile(samples: list[float], fraction: float) -> float:
-    """Nearest-rank percentile: the smallest sample with at least `fraction` of them at or below it."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered), max(1, math.ceil(fraction * len(ordered)))) - 1]
 
 
 def ms(seconds: list[float]) -> dict[str, float]:
@@ -584,42 +571,18 @@ async def sequential(server: Server, transport: str, pairs: int) -> dict[str, An
 
 
 def machine(root: Path) -> dict[str, Any]:
+    """The shared figures of the machine, with its memory, LMDB's version and the disk of the state directories."""
     resolved = str(root.resolve())
     mounts = [
         p for p in psutil.disk_partitions(all=True) if resolved == p.mountpoint or resolved.startswith(p.mountpoint.rstrip("/") + "/")
     ]
     disk = max(mounts, key=lambda p: len(p.mountpoint)) if mounts else None
     return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "cpu_model": _cpu_model(),
+        **common.machine(),
         "memory_bytes": psutil.virtual_memory().total,
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "aiohttp": aiohttp.__version__,
         "lmdb": lmdb.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "loadavg_at_start": os.getloadavg(),
         "state_disk": {"device": disk.device if disk else None, "fstype": disk.fstype if disk else None, "dir": str(root)},
     }
-
-
-def _cpu_model() -> str | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return None
-
-
-@contextlib.contextmanager
-def workdir(parent: str | None) -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="gpubroker-bench-", dir=parent))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def run(plan: Plan, root: Path, progress: bool) -> dict[str, Any]:
@@ -800,10 +763,6 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer pairs, one repeat, three starts (under ~40 s)")
@@ -815,24 +774,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_trivial:
         serve_trivial(args.serve_trivial[0], int(args.serve_trivial[1]))
         return 0
-    # SIGTERM unwinds like Ctrl-C, so the children and the temporary directories go too.
-    signal.signal(signal.SIGTERM, _interrupt)
     plan = QUICK if args.quick else FULL
-    try:
-        with workdir(args.dir) as root:
-            results = run(plan, root, progress=not args.quiet)
-    except BenchError as error:
-        print(f"bench_leases: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_leases: interrupted; its processes and temporary directories are gone", file=sys.stderr)
-        return 130
-    results["quick"] = args.quick
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(table(results))
-    print(f"results in {args.out}")
-    return 0
+    return conduct("bench_leases", args, lambda root: run(plan, root, progress=not args.quiet), table, "gpubroker-bench-")
 
 
 if __name__ == "__main__":

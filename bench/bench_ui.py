@@ -39,29 +39,25 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import datetime
 import io
 import json
-import math
 import os
-import platform
 import pstats
 import random
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import common  # bench/common.py: run as a script, this folder is on the path
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from common import BenchError, conduct, percentile
 
 from gpubroker.broker.probes import GpuProcess, GpuReading
 from gpubroker.broker.request import parse_request
@@ -94,10 +90,6 @@ HOLDERS = ("train-llama", "vllm-serve", "jupyter:alice", "ci-bench", "sd-webui",
 GOALS = {"cluster_server_p95_ms": ("<", 300.0)}  # the Cluster page of a 50-node cluster, server-side
 
 
-class BenchError(Exception):
-    """The benchmark cannot go on (the cluster could not be built, a page answered an error): never a slow figure."""
-
-
 @dataclass(frozen=True, slots=True)
 class Plan:
     """How much work each measurement does: fixed counts, so runs compare."""
@@ -112,12 +104,6 @@ QUICK = Plan(nodes=50, warmup=5, rounds=50)
 
 
 # ----- figures ---------------------------------------------------------------
-
-
-def percentile(samples: list[float], fraction: float) -> float:
-    """Nearest-rank percentile: the smallest sample with at least `fraction` of them at or below it."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered), max(1, math.ceil(fraction * len(ordered)))) - 1]
 
 
 def ms(seconds: list[float]) -> dict[str, float]:
@@ -419,44 +405,13 @@ def profile(cluster: Cluster, repeats: int, top: int) -> str:
 # ----- the run ---------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "cpu_model": _cpu_model(),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "aiohttp": aiohttp.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "loadavg_at_start": os.getloadavg(),
-    }
-
-
-def _cpu_model() -> str | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return None
-
-
-@contextlib.contextmanager
-def workdir(parent: str | None) -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="gpubroker-bench-ui-", dir=parent))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
 async def run(plan: Plan, root: Path, seed: int, progress: bool, profile_top: int) -> dict[str, Any]:
     def say(message: str) -> None:
         if progress:
             print(f"  … {message}", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    results: dict[str, Any] = {"machine": machine(), "plan": asdict(plan), "seed": seed}
+    results: dict[str, Any] = {"machine": common.machine(), "plan": asdict(plan), "seed": seed}
     say(f"building a {plan.nodes}-node cluster: {plan.nodes} real brokers on simulated GPUs, {plan.nodes - 1} signed documents")
     cluster = await build_cluster(root, plan, seed)
     try:
@@ -577,10 +532,6 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="50 rounds instead of 1,000 (a few seconds)")
@@ -598,23 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.nodes < 2:
             parser.error("--nodes is at least 2: this node and one other")
         plan = Plan(args.nodes, plan.warmup, plan.rounds)
-    # SIGTERM unwinds like Ctrl-C, so the temporary directories go too.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with workdir(args.dir) as root:
-            results = asyncio.run(run(plan, root, args.seed, not args.quiet, args.profile))
-    except BenchError as error:
-        print(f"bench_ui: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_ui: interrupted; its temporary directories are gone", file=sys.stderr)
-        return 130
-    results["quick"] = args.quick
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(table(results))
-    print(f"results in {args.out}")
-    return 0
+    return conduct(
+        "bench_ui", args, lambda root: asyncio.run(run(plan, root, args.seed, not args.quiet, args.profile)), table, "gpubroker-bench-ui-"
+    )
 
 
 if __name__ == "__main__":
