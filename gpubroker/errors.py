@@ -105,6 +105,11 @@ class Forbidden(BrokerError):
         super().__init__(FailureCode.FORBIDDEN, message, details)
 
 
+class Unauthorized(BrokerError):
+    def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(FailureCode.UNAUTHORIZED, message, details)
+
+
 class Refusal(BrokerError):
     """A decision not to grant, with the figures behind it."""
 

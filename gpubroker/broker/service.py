@@ -42,6 +42,13 @@ class SystemClock:
         return time.time()
 
 
+# The kinds of admin, who may act on any lease: one signed in to the web UI, one holding the node's API token,
+# and, when a member forwards a release for them, root or the broker's own user on that member's socket.
+WEB_UI, API_TOKEN = "the web UI", "the API token"
+ROOT_ON_SOCKET, OWN_USER_ON_SOCKET = "root on the Unix socket", "the broker's own user on the Unix socket"
+ADMINS = (WEB_UI, API_TOKEN, ROOT_ON_SOCKET, OWN_USER_ON_SOCKET)
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     """Who is asking: on the Unix socket the kernel says (SO_PEERCRED); on TCP nobody does."""
@@ -49,7 +56,15 @@ class Caller:
     transport: str  # "unix", "tcp" or "peer" (a member forwarding a request)
     uid: int | None = None
     pid: int | None = None
-    admin: str | None = None  # who, when the caller may act on any lease: "the web UI of tower", "the API token"
+    admin: str | None = None  # one of ADMINS: this caller may act on any lease
+    admin_of: str | None = None  # the node whose admin it is, where that is worth saying
+
+    @property
+    def admin_name(self) -> str | None:
+        """The admin as events and reasons name it: "the web UI of tower"."""
+        if self.admin is None:
+            return None
+        return f"{self.admin} of {self.admin_of}" if self.admin_of else self.admin
 
     @property
     def user(self) -> str | None:
@@ -737,7 +752,7 @@ class Broker:
             raise NotFound(f"request {lease_id} was waiting and is now cancelled", {"lease": lease_id, "cancelled": True})
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
-        who = caller.admin or (f"uid {caller.uid}" if caller.uid is not None else "its token")
+        who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
         await self.store.commit(self._end(lease, "released", f"released by {who}"))
         return lease
 

@@ -22,7 +22,7 @@ import msgpack
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from gpubroker.broker.service import Broker, Caller
+from gpubroker.broker.service import ADMINS, Broker, Caller
 from gpubroker.errors import BrokerError, FailureCode
 from gpubroker.gossip import wire
 from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, decode_token, new_key_b64
@@ -527,9 +527,7 @@ class Mesh:
             return {"error": "release needs a lease id"}
         # An admin of a member (signed in to its UI, its API token, root on its socket) may release here: the member
         # is authenticated by mutual TLS, and the reason names it by its own identity, whatever the request says.
-        kinds = ("the web UI", "the API token", "root on the Unix socket", "the broker's own user on the Unix socket")
-        who = f"{admin} of {self._name_of(peer)}" if admin in kinds and peer is not None else None
-        caller = Caller("peer", admin=who)
+        caller = Caller("peer", admin=admin, admin_of=self._name_of(peer)) if admin in ADMINS and peer else Caller("peer")
         try:
             released = await self.broker.release(lease, caller, token)
         except BrokerError as error:

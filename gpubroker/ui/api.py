@@ -16,9 +16,9 @@ from aiohttp import web
 
 from gpubroker.broker.lease import ENDED, LIVE, Lease
 from gpubroker.broker.request import parse_request
-from gpubroker.broker.service import Broker, Caller
+from gpubroker.broker.service import API_TOKEN, OWN_USER_ON_SOCKET, ROOT_ON_SOCKET, WEB_UI, Broker, Caller
 from gpubroker.config import Config
-from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal
+from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, Unauthorized
 from gpubroker.ui.auth import CHANGES, CSRF_FIELD, CSRF_HEADER, OPEN_PATHS, SESSION_COOKIE, Guard, Session, Sessions, is_loopback
 from gpubroker.ui.metrics import Metrics
 from gpubroker.ui.openapi import OPENAPI
@@ -48,11 +48,6 @@ STATES = ("queued", LIVE, *ENDED)
 ROOM_CODES = (FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, FailureCode.EXTERNAL_GPU_PRESSURE, FailureCode.LEASE_CONFLICT)
 _PEERCRED = struct.Struct("3i")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class Unauthorized(BrokerError):
-    def __init__(self, message: str) -> None:
-        super().__init__(FailureCode.UNAUTHORIZED, message, {})
 
 
 def _error(error: BrokerError) -> web.Response:
@@ -154,7 +149,7 @@ async def _authenticate(request: web.Request) -> None:
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not guard.token_matches(presented.strip()):
             raise Unauthorized("the API token is not this node's; `gpubroker token` on the node prints it (send it as GPUBROKER_TOKEN)")
-        request[CALLER] = replace(caller, admin="the API token")
+        request[CALLER] = replace(caller, admin=API_TOKEN)
         return
     session = guard.sessions.get(request.cookies.get(SESSION_COOKIE))
     if session is None:
@@ -168,7 +163,7 @@ async def _authenticate(request: web.Request) -> None:
             csrf = field if isinstance(field, str) else None
         if not guard.csrf_matches(session, csrf):
             raise Forbidden(f"a change from the web UI needs its CSRF token ({CSRF_HEADER}); reload the page and try again", {})
-    request[CALLER] = replace(caller, admin=f"the web UI of {request.app[CONFIG].name}")
+    request[CALLER] = replace(caller, admin=WEB_UI, admin_of=request.app[CONFIG].name)
     request[SESSION] = session
 
 
@@ -303,11 +298,11 @@ async def release_lease(request: web.Request) -> web.Response:
 
 
 def _forwarded_admin(caller: Caller) -> str | None:
-    """What this node vouches for when it forwards a release: an admin's kind (the owner adds this node's name)."""
+    """What this node vouches for when it forwards a release: the kind of admin (the owner adds this node's name)."""
     if caller.admin is not None:
-        return "the web UI" if caller.admin.startswith("the web UI") else "the API token"
+        return caller.admin
     if caller.uid is not None and caller.uid in (0, os.geteuid()):
-        return "root on the Unix socket" if caller.uid == 0 else "the broker's own user on the Unix socket"
+        return ROOT_ON_SOCKET if caller.uid == 0 else OWN_USER_ON_SOCKET
     return None
 
 
