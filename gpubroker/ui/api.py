@@ -128,9 +128,9 @@ def _check_origin(request: web.Request) -> None:
         return
     origin = request.headers.get("Origin")
     host = request.headers.get("Host", "")
-    own = (request.scheme, host.lower())
+    sent_from = urlsplit(origin.lower()) if origin is not None else None
     if request.headers.get("Sec-Fetch-Site") == "cross-site" or (
-        origin is not None and (urlsplit(origin).scheme.lower(), urlsplit(origin).netloc.lower()) != own
+        sent_from is not None and (sent_from.scheme, sent_from.netloc) != (request.scheme, host.lower())
     ):
         raise Forbidden(
             f"a change sent from another site ({origin or 'cross-site'}) is refused; use this broker's own pages or the API",
@@ -299,11 +299,14 @@ async def release_lease(request: web.Request) -> web.Response:
 
 def _forwarded_admin(caller: Caller) -> str | None:
     """What this node vouches for when it forwards a release: the kind of admin (the owner adds this node's name)."""
-    if caller.admin is not None:
-        return caller.admin
-    if caller.uid is not None and caller.uid in (0, os.geteuid()):
-        return ROOT_ON_SOCKET if caller.uid == 0 else OWN_USER_ON_SOCKET
-    return None
+    return caller.admin or _socket_admin(caller)
+
+
+def _socket_admin(caller: Caller) -> str | None:
+    """Root or the broker's own user on the Unix socket, who may change the cluster; None for anyone else."""
+    if caller.uid is None or caller.uid not in (0, os.geteuid()):
+        return None
+    return ROOT_ON_SOCKET if caller.uid == 0 else OWN_USER_ON_SOCKET
 
 
 async def node(request: web.Request) -> web.Response:
@@ -327,7 +330,7 @@ async def cluster(request: web.Request) -> web.Response:
 def _admin(request: web.Request) -> None:
     """Changing the cluster takes root or the broker's own Unix user on the socket, or an admin (signed in, or the API token)."""
     caller = _caller(request)
-    if caller.admin is None and (caller.uid is None or caller.uid not in (0, os.geteuid())):
+    if caller.admin is None and _socket_admin(caller) is None:
         raise Forbidden("changing the cluster takes root or the broker's own user on the Unix socket, or a signed-in admin")
 
 
