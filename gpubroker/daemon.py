@@ -167,8 +167,8 @@ def _ui_tls(config: Config) -> ssl.SSLContext:
     directory = config.state_dir / "ui"
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    names = sorted(h for h in allowed_hosts(config) if h not in ("0.0.0.0", "::"))
-    names.sort(key=lambda h: (h in ("localhost", "127.0.0.1", "::1"), h))  # the first name is the subject's
+    # Every name the broker may be reached by; the first, a name of this machine, is the subject's.
+    names = sorted((h for h in allowed_hosts(config) if h not in ("0.0.0.0", "::")), key=lambda h: (is_loopback(h), h))
     current = None
     with contextlib.suppress(OSError, ValueError):
         current = x509.load_pem_x509_certificate(cert_path.read_bytes())
@@ -190,10 +190,14 @@ def _ui_tls(config: Config) -> ssl.SSLContext:
     return context
 
 
+def beyond_loopback(config: Config) -> bool:
+    """Whether the API listens where other machines reach it: then a password and HTTPS are required."""
+    return not is_loopback(config.listen.rpartition(":")[0])
+
+
 def make_guard(config: Config) -> tuple[Guard, ssl.SSLContext | None]:
     """What TCP callers must show, and HTTPS where the API listens beyond loopback (which takes a UI password)."""
-    host = config.listen.rpartition(":")[0]
-    lan = not is_loopback(host)
+    lan = beyond_loopback(config)
     if lan and config.ui_password_hash is None:
         raise StartError(
             f"refusing to listen on {config.listen} without a UI password: set ui_password_hash in the config file "
@@ -263,7 +267,7 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
         state = f"GPUs: {broker.driver_error}" if broker.driver_error else f"{gpus} GPU{'s' * (gpus != 1)} via {source}"
         print(
             f"gpubroker ready: node {config.name} ({broker.node_id}), {state}; "
-            f"API on unix:{config.socket_path} and {'http' if is_loopback(config.listen.rpartition(':')[0]) else 'https'}://{config.listen}"
+            f"API on unix:{config.socket_path} and {'https' if beyond_loopback(config) else 'http'}://{config.listen}"
             f"{' (signed-in UI, API token)' if config.ui_password_hash else ''}; state in {config.state_dir}",
             flush=True,
         )
