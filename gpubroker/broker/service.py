@@ -25,7 +25,7 @@ from gpubroker.broker.decide import HostBudget, Placement, candidates, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token
 from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeError, sample_host
 from gpubroker.broker.request import LeaseRequest
-from gpubroker.broker.store import Store, Write, seq_key
+from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
 from gpubroker.config import CLASSES, Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal
 from gpubroker.units import gib, rfc3339
@@ -131,6 +131,7 @@ class Broker:
         self.node_id = ""
         self.leases: dict[str, Lease] = {}
         self.ended: OrderedDict[str, tuple[bytes, Lease]] = OrderedDict()
+        self._dropped: list[bytes] = []  # keys of ended leases out of the history but still in the store
         self.waiters: list[Waiter] = []
         self.readings: list[GpuReading] = []
         self.host = HostReading(1, 0)
@@ -164,13 +165,14 @@ class Broker:
             lease = Lease.from_record(record)
             self.ended[lease.id] = (key, lease)
             self._saw_epochs(lease)
+        history = self._trim_history()  # the store may hold more than leases_kept: they go with a group
         for record in loaded.leases:
             lease = Lease.from_record(record)
             self._hold(lease)
             self._saw_epochs(lease)
         self._watch = holders.HolderWatch(asyncio.get_running_loop())
         self.store.start()
-        writes = [Write("meta", b"node_id", self.node_id)]
+        writes = [Write("meta", b"node_id", self.node_id), *history]
         now = self.clock.now()
         for lease in list(self.leases.values()):
             if lease.expires_at <= now:
@@ -810,11 +812,23 @@ class Broker:
         record["_end"] = self._event_seq
         writes = [Write("leases", lease.id.encode()), Write("ended", key, record), event]
         self.ended[lease.id] = (key, lease)
-        while len(self.ended) > self.config.leases_kept:
-            _, (old_key, _) = self.ended.popitem(last=False)
-            writes.append(self._epochs_write())
-            writes.append(Write("ended", old_key))
+        writes += self._trim_history()
         self._scan()
+        return writes
+
+    def _trim_history(self) -> list[Write]:
+        """Ended leases beyond leases_kept leave the history at once, and the store PRUNE_EVERY at a time.
+
+        Their records go with the epoch counters, which they alone bounded from below until then;
+        deleting in groups keeps most releases from rewriting the history's oldest page.
+        """
+        while len(self.ended) > self.config.leases_kept:
+            _, (key, _) = self.ended.popitem(last=False)
+            self._dropped.append(key)
+        if len(self._dropped) < PRUNE_EVERY:
+            return []
+        writes = [self._epochs_write(), *(Write("ended", key) for key in self._dropped)]
+        self._dropped = []
         return writes
 
     def _epochs_write(self) -> Write:

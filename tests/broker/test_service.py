@@ -17,7 +17,7 @@ from fakes import GIB, FakeClock, FakeGpuProbe
 from gpubroker.broker.probes import GpuProcess
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
-from gpubroker.broker.store import Store
+from gpubroker.broker.store import PRUNE_EVERY, Store
 from gpubroker.config import Config, Stamp
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, NotFound, StoreFull
 from gpubroker.units import parse_time, rfc3339
@@ -492,11 +492,12 @@ async def test_the_loop_keeps_granting_while_a_gpu_reading_is_stuck_in_the_drive
 
 async def test_epochs_still_grow_after_the_leases_that_held_them_left_the_history(make_node: Callable[..., Any]) -> None:
     node = await make_node(leases_kept=2)
-    made = [await node.ask(gpu_memory="1GiB") for _ in range(3)]
-    for lease, token in reversed(made):  # the highest epoch ends first, so it is the one the history drops
+    made = [await node.ask(gpu_memory="64MiB") for _ in range(PRUNE_EVERY + 2)]
+    for lease, token in reversed(made):  # the highest epochs end first, so they are the ones the history drops
         await node.broker.release(lease["id"], TCP, token)
     assert made[-1][0]["id"] not in node.broker.ended
     await node.restart()
+    assert made[-1][0]["id"] not in node.broker.ended  # gone from the store too, not only from memory
     fresh, _ = await node.ask(gpu_memory="1GiB")
     assert fresh["epoch"] > made[-1][0]["epoch"]
     assert fresh["gpus"][0]["epoch"] > made[-1][0]["gpus"][0]["epoch"]
@@ -517,3 +518,21 @@ async def test_a_grant_whose_client_goes_away_while_it_syncs_is_released_and_sta
     assert [lease["state"] for lease in node.broker.list_leases(None, 10)] == ["released"]
     lease, _ = await node.ask(gpu_memory="23GiB")  # and all of it can be granted again
     assert lease["state"] == "granted"
+
+
+async def test_the_history_and_the_event_log_stay_bounded_in_the_store(make_node: Callable[..., Any]) -> None:
+    node = await make_node(leases_kept=5, events_kept=40)
+    released = []
+    for _ in range(3 * PRUNE_EVERY):
+        lease, token = await node.ask(gpu_memory="64MiB")
+        await node.broker.release(lease["id"], TCP, token)
+        released.append(lease["id"])
+    newest = released[:-6:-1]
+    assert [lease["id"] for lease in node.broker.list_leases("released", 100)] == newest  # exactly leases_kept
+    found = await node.events()
+    assert 40 <= len(found) < 40 + PRUNE_EVERY  # dropped a group at a time
+    assert found[-1]["seq"] - found[0]["seq"] == len(found) - 1  # the newest, with no hole
+    await node.restart()
+    assert [lease["id"] for lease in node.broker.list_leases("released", 100)] == newest
+    on_disk = node.broker.store.load()
+    assert 5 <= len(on_disk.ended) < 5 + PRUNE_EVERY
