@@ -187,7 +187,7 @@ class Store:
             return
         newest_dropped = seq_key(seq - self._events_kept)
         cursor = txn.cursor(db)
-        while cursor.first() and cursor.key() <= newest_dropped:
+        while cursor.first() and bytes(cursor.key()) <= newest_dropped:
             cursor.delete()
 
     @staticmethod
