@@ -149,6 +149,8 @@ class Broker:
         self._budgets: list[Budget] | None = None
         self._stale: set[int] = set()  # accelerators (by index) whose budget must be computed again
         self._on_gpu: dict[int, GpuLeases] = {}  # the live leases by accelerator, kept as they come and go
+        self._leased_cores = 0  # what the live leases hold of the host, kept as they come and go
+        self._leased_memory = 0
 
     # ----- start and stop -------------------------------------------------
 
@@ -337,12 +339,16 @@ class Broker:
 
     def _hold(self, lease: Lease) -> None:
         self.leases[lease.id] = lease
+        self._leased_cores += lease.cpu_cores
+        self._leased_memory += lease.memory
         for gpu in lease.gpus:
             self._on_gpu.setdefault(gpu.index, GpuLeases()).add(lease, gpu.bytes)
         self._changed(lease)
 
     def _unhold(self, lease: Lease) -> None:
-        self.leases.pop(lease.id, None)
+        if self.leases.pop(lease.id, None) is not None:
+            self._leased_cores -= lease.cpu_cores
+            self._leased_memory -= lease.memory
         for gpu in lease.gpus:
             held = self._on_gpu.get(gpu.index)
             if held is not None:
@@ -350,9 +356,7 @@ class Broker:
         self._changed(lease)
 
     def host_budget(self) -> HostBudget:
-        cores = sum(lease.cpu_cores for lease in self.leases.values())
-        memory = sum(lease.memory for lease in self.leases.values())
-        return HostBudget(self.host.cores, cores, self.host.memory, memory)
+        return HostBudget(self.host.cores, self._leased_cores, self.host.memory, self._leased_memory)
 
     def node_json(self) -> dict[str, Any]:
         return {

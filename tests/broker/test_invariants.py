@@ -60,9 +60,11 @@ class BrokerMachine(RuleBasedStateMachine):
             f = budget.figures
             assert f.leased <= f.total - f.external - f.reserve, f"GPU {budget.reading.index} leased beyond its room: {f}"
 
-    async def _ask(self, size: int, priority: str, pin: int | None) -> set[int]:
+    async def _ask(self, size: int, priority: str, pin: int | None, cores: int = 0) -> set[int]:
         """The accelerators the request was granted on (none if refused)."""
         body: dict[str, Any] = {"gpu_memory": size, "priority": priority, "bind": "none", "ttl": 60}
+        if cores:
+            body |= {"cpu_cores": cores, "memory": cores * 2**20}
         if pin is not None:
             body["gpu"] = pin
         try:
@@ -72,9 +74,9 @@ class BrokerMachine(RuleBasedStateMachine):
         self._granted(lease, token)
         return {gpu.index for gpu in lease.gpus}
 
-    @rule(size=SIZES, priority=st.sampled_from(CLASSES), pin=st.none() | st.integers(0, 1))
-    def request(self, size: int, priority: str, pin: int | None) -> None:
-        self.loop.run_until_complete(self._ask(size, priority, pin))
+    @rule(size=SIZES, priority=st.sampled_from(CLASSES), pin=st.none() | st.integers(0, 1), cores=st.integers(0, 1))
+    def request(self, size: int, priority: str, pin: int | None, cores: int) -> None:
+        self.loop.run_until_complete(self._ask(size, priority, pin, cores))
 
     @rule(sizes=st.lists(SIZES, min_size=2, max_size=8))
     def concurrent_requests(self, sizes: list[int]) -> None:
@@ -120,6 +122,13 @@ class BrokerMachine(RuleBasedStateMachine):
         assert set(self.broker.leases) == set(self.live)
         for lease_id, (_, epoch) in self.live.items():
             assert self.broker.leases[lease_id].epoch == epoch
+
+    @invariant()
+    def the_host_budget_counts_exactly_the_live_leases(self) -> None:
+        host = self.broker.host_budget()
+        live = self.broker.leases.values()
+        assert (host.leased_cores, host.leased_memory) == (sum(x.cpu_cores for x in live), sum(x.memory for x in live))
+        assert host.leased_cores <= host.cores
 
     def teardown(self) -> None:
         self.loop.run_until_complete(self.broker.close())
