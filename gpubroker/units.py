@@ -39,18 +39,23 @@ def parse_size(value: object) -> int:
     if isinstance(value, int):
         size = value
     elif isinstance(value, str):
-        match = _NUMBER_WITH_UNIT.match(value)
-        if not match or match.group(2).upper() not in _SIZE_UNITS:
-            raise UnitError(f"size {value!r} is not bytes or a number with a unit (8GiB, 512MiB, 8GB)")
-        number = match.group(1)
-        # Exact arithmetic: byte counts beyond 2^53 must not be rounded by floats.
-        exact = int(number) if "." not in number else Fraction(number)
-        size = int(exact * _SIZE_UNITS[match.group(2).upper()])
+        size = _size_text(value)
     else:
         raise UnitError(f"size must be bytes or a string with a unit, not {type(value).__name__}")
     if size < 0 or size > MAX_BYTES:
         raise UnitError(f"size {value!r} is out of range (0 to 2^60 bytes)")
     return size
+
+
+@functools.lru_cache(maxsize=256)  # requests repeat a few sizes ("24GiB"): each text is read once
+def _size_text(text: str) -> int:
+    match = _NUMBER_WITH_UNIT.match(text)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise UnitError(f"size {text!r} is not bytes or a number with a unit (8GiB, 512MiB, 8GB)")
+    number = match.group(1)
+    # Exact arithmetic: byte counts beyond 2^53 must not be rounded by floats.
+    exact = int(number) if "." not in number else Fraction(number)
+    return int(exact * _SIZE_UNITS[match.group(2).upper()])
 
 
 def parse_duration(value: object) -> float:
@@ -62,16 +67,21 @@ def parse_duration(value: object) -> float:
             raise UnitError(f"duration {value!r} is out of range (0 to 10 years)")
         seconds = float(value)
     elif isinstance(value, str):
-        match = _NUMBER_WITH_UNIT.match(value)
-        unit = match.group(2) if match else None
-        if not match or (unit and unit not in _DURATION_UNITS):
-            raise UnitError(f"duration {value!r} is not seconds or a number with a unit (500ms, 30s, 10m, 1h)")
-        seconds = float(match.group(1)) * _DURATION_UNITS[unit or "s"]
+        seconds = _duration_text(value)
     else:
         raise UnitError(f"duration must be seconds or a string with a unit, not {type(value).__name__}")
     if seconds < 0 or seconds > MAX_SECONDS:
         raise UnitError(f"duration {value!r} is out of range (0 to 10 years)")
     return seconds
+
+
+@functools.lru_cache(maxsize=256)  # as for sizes: a few texts ("10m") come again and again
+def _duration_text(text: str) -> float:
+    match = _NUMBER_WITH_UNIT.match(text)
+    unit = match.group(2) if match else None
+    if not match or (unit and unit not in _DURATION_UNITS):
+        raise UnitError(f"duration {text!r} is not seconds or a number with a unit (500ms, 30s, 10m, 1h)")
+    return float(match.group(1)) * _DURATION_UNITS[unit or "s"]
 
 
 def parse_time(value: object) -> float:

@@ -27,6 +27,7 @@ FIELDS = (
     "bind",
     "labels",
 )
+_KNOWN = frozenset(FIELDS)
 MAX_GPUS = 64
 MAX_CORES = 4096
 MAX_LABELS = 32
@@ -108,8 +109,8 @@ def parse_request(body: Any) -> LeaseRequest:
     """A LeaseRequest from a decoded JSON body, or InvalidRequest naming the field."""
     if not isinstance(body, dict):
         raise InvalidRequest("a lease request is a JSON object")
-    unknown = sorted(set(body) - set(FIELDS))
-    if unknown:
+    if not _KNOWN.issuperset(body):
+        unknown = sorted(set(body) - _KNOWN)
         raise InvalidRequest(f"unknown field {unknown[0]!r}; a request has: {', '.join(FIELDS)}", {"field": unknown[0]})
     gpu_memory = _unit(body, "gpu_memory", parse_size) or 0
     exclusive = body.get("exclusive")

@@ -577,8 +577,19 @@ class Broker:
         await self._make_durable(lease, writes, None if while_syncing is None else lambda: while_syncing(lease, token))
         return lease, token
 
-    async def _make_durable(self, lease: Lease, writes: list[Write], meanwhile: Callable[[], None] | None = None) -> None:
-        commit = self.store.commit(writes, meanwhile)  # `meanwhile` runs while the writer thread syncs
+    def _commit(self, writes: list[Write], answer: Callable[[], None] | None = None) -> asyncio.Future[None]:
+        """Hand a lease's change to the writer thread. While it syncs, the loop (idle but for this) prepares
+        the answer, then computes again the budgets the change made stale, so the next request finds them ready."""
+
+        def meanwhile() -> None:
+            if answer is not None:
+                answer()
+            self.budgets()
+
+        return self.store.commit(writes, meanwhile)
+
+    async def _make_durable(self, lease: Lease, writes: list[Write], answer: Callable[[], None] | None = None) -> None:
+        commit = self._commit(writes, answer)
         try:
             # Commit before replying: a crash in between must leave a lease without a
             # client, never a client without a lease.
@@ -682,7 +693,7 @@ class Broker:
 
     async def _settle_waiter(self, waiter: Waiter, lease: Lease, token: str, writes: list[Write]) -> None:
         try:
-            await self.store.commit(writes)
+            await self._commit(writes)
         except BrokerError as error:
             self._rollback(lease)
             if not waiter.granted.done():
@@ -759,7 +770,7 @@ class Broker:
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
         who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
-        await self.store.commit(self._end(lease, "released", f"released by {who}"))
+        await self._commit(self._end(lease, "released", f"released by {who}"))
         return lease
 
     def _holder_exited(self, lease_id: str) -> None:

@@ -9,7 +9,6 @@ and resolves the waiting futures in one hop back to the loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import struct
 import threading
@@ -68,6 +67,7 @@ class Store:
         self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
         self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._pack = msgpack.Packer().pack  # the writer thread's own: one packer for every value it writes
         self._thread: threading.Thread | None = None
         self.commits = 0  # transactions written, for the benchmark and tests
 
@@ -134,11 +134,8 @@ class Store:
                 return
             batches = [first]
             stopping = False
-            while True:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
+            while not self._queue.empty():  # everything that gathered meanwhile rides this transaction
+                more = self._queue.get_nowait()
                 if more is None:
                     stopping = True
                     break
@@ -157,13 +154,15 @@ class Store:
                         if write.value is None:
                             txn.delete(write.key, db=db)
                         else:
-                            txn.put(write.key, msgpack.packb(write.value), db=db)
+                            txn.put(write.key, self._pack(write.value), db=db)
                             if write.table == "events":
                                 self._prune_events(txn, db, _KEY.unpack(write.key)[0])
                 for batch in batches:  # the commit below syncs without the GIL: the loop can work meanwhile
                     if batch.while_syncing is not None and batch.loop is not None:
-                        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
+                        try:
                             batch.loop.call_soon_threadsafe(batch.while_syncing)
+                        except RuntimeError:
+                            pass  # a closed loop: nobody is waiting
             self.commits += 1
             return None
         except lmdb.MapFullError:

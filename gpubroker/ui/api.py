@@ -223,10 +223,10 @@ def _token(request: web.Request) -> str | None:
 async def create_lease(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     lease_request = parse_request(await _json_body(request))
-    prepared: list[bytes] = []
+    prepared: list[web.Response] = []
 
     def prepare(lease: Lease, token: str) -> None:
-        prepared.append(json.dumps({"lease": lease.to_json(token)}).encode())
+        prepared.append(_created(lease, token))
 
     try:
         lease, token = await broker.request(lease_request, _caller(request), prepare)
@@ -237,8 +237,11 @@ async def create_lease(request: web.Request) -> web.Response:
             refusal.details["elsewhere"] = mesh.elsewhere(lease_request.gpu_memory, lease_request.gpus)
         raise
     # An answer prepared while the grant was syncing, when it was granted at once; else made now.
-    body = prepared[0] if prepared else json.dumps({"lease": lease.to_json(token)}).encode()
-    return web.Response(body=body, status=201, content_type="application/json")
+    return prepared[0] if prepared else _created(lease, token)
+
+
+def _created(lease: Lease, token: str) -> web.Response:
+    return web.Response(body=json.dumps({"lease": lease.to_json(token)}).encode(), status=201, content_type="application/json")
 
 
 async def list_leases(request: web.Request) -> web.Response:

@@ -536,3 +536,12 @@ async def test_the_history_and_the_event_log_stay_bounded_in_the_store(make_node
     assert [lease["id"] for lease in node.broker.list_leases("released", 100)] == newest
     on_disk = node.broker.store.load()
     assert 5 <= len(on_disk.ended) < 5 + PRUNE_EVERY
+
+
+async def test_the_budgets_a_release_changes_are_computed_again_while_it_syncs(make_node: Callable[..., Any]) -> None:
+    node = await make_node(sizes=[24 * GIB, 24 * GIB])
+    lease, token = await node.ask(gpu_memory="10GiB")
+    index = lease["gpus"][0]["index"]
+    await node.broker.release(lease["id"], TCP, token)
+    assert node.broker._stale == set()  # the next request finds them ready: no budget to compute before deciding
+    assert node.broker.budgets()[index].figures.leased == 0
