@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,3 +132,17 @@ def hash_token(token: str) -> str:
     """Tokens are kept as hashes: the store never holds what would let a reader act on a lease."""
     # surrogateescape: a header that was not UTF-8 must hash (and fail to match), not raise.
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+# Ids and tokens come from getrandom(2) as os.getrandom calls it: it keeps the GIL, where os.urandom
+# gives it up and may then wait for the store's writer thread before the loop can go on.
+
+
+def new_lease_id() -> str:
+    """48 random bits: `l-` and 12 hex digits."""
+    return f"l-{os.getrandom(6).hex()}"
+
+
+def new_token() -> str:
+    """192 random bits, URL-safe, as secrets.token_urlsafe(24) writes them (32 characters)."""
+    return base64.urlsafe_b64encode(os.getrandom(24)).decode()

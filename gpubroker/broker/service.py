@@ -22,7 +22,7 @@ from gpubroker import __version__
 from gpubroker.broker import holders
 from gpubroker.broker.budget import Budget, GpuLeases, compute_budget, compute_budgets, index_leases, over_declared
 from gpubroker.broker.decide import HostBudget, Placement, candidates, place
-from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token
+from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token
 from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeError, sample_host
 from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
@@ -441,7 +441,7 @@ class Broker:
             )
         self._waiter_seq += 1
         waiter = Waiter(
-            id=f"l-{secrets.token_hex(6)}",
+            id=new_lease_id(),
             request=request,
             caller=caller,
             holder=holder,
@@ -521,7 +521,7 @@ class Broker:
             self._gpu_epochs[uuid] = self._gpu_epochs.get(uuid, 0) + 1
             gpus.append(LeasedGpu(index, uuid, size, self._gpu_epochs[uuid]))
         ttl = request.ttl or self.config.default_ttl
-        token = secrets.token_urlsafe(24)  # the id was drawn when the request arrived
+        token = new_token()  # the id was drawn when the request arrived
         holder = waiter.holder
         if holder.name is None and holder.pid is not None:
             holder.name = holders.process_name(holder.pid)

@@ -9,6 +9,7 @@ and resolves the waiting futures in one hop back to the loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import struct
 import threading
@@ -157,12 +158,8 @@ class Store:
                             txn.put(write.key, self._pack(write.value), db=db)
                             if write.table == "events":
                                 self._prune_events(txn, db, _KEY.unpack(write.key)[0])
-                for batch in batches:  # the commit below syncs without the GIL: the loop can work meanwhile
-                    if batch.while_syncing is not None and batch.loop is not None:
-                        try:
-                            batch.loop.call_soon_threadsafe(batch.while_syncing)
-                        except RuntimeError:
-                            pass  # a closed loop: nobody is waiting
+                # The commit below syncs without the GIL: the loop can work meanwhile (one wake-up for them all).
+                _call_on_loops([(batch.loop, batch.while_syncing) for batch in batches if batch.while_syncing is not None])
             self.commits += 1
             return None
         except lmdb.MapFullError:
@@ -191,22 +188,34 @@ class Store:
 
     @staticmethod
     def _resolve(batches: list[_Batch], error: Exception | None) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
-        for batch in batches:
-            if batch.future is not None and batch.loop is not None:
-                by_loop.setdefault(batch.loop, []).append(batch.future)
-        for loop, futures in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_settle, futures, error)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is waiting any more
+        _call_on_loops([(batch.loop, functools.partial(_settle, batch.future, error)) for batch in batches if batch.future is not None])
 
 
-def _settle(futures: list[asyncio.Future[None]], error: Exception | None) -> None:
-    for future in futures:
-        if future.done():
-            continue
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
+def _call_on_loops(calls: list[tuple[asyncio.AbstractEventLoop | None, Callable[[], None]]]) -> None:
+    """Run each call on its loop, with one hand-over (one wake-up) per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
+    for loop, call in calls:
+        if loop is not None:
+            by_loop.setdefault(loop, []).append(call)
+    for loop, on_loop in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_run_all, on_loop)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        try:
+            call()
+        except Exception as error:  # one failing call must not keep those after it (a settle) from running
+            asyncio.get_running_loop().call_exception_handler({"message": "a call from the store's writer failed", "exception": error})
+
+
+def _settle(future: asyncio.Future[None], error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,73 @@
+"""The store's writer thread: writes made durable in groups, answered on the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
+
+
+def _put(i: int) -> list[Write]:
+    return [Write("meta", f"k{i}".encode(), {"i": i})]
+
+
+async def test_writes_handed_over_together_are_made_durable_in_one_group(tmp_path: Path) -> None:
+    store = Store(tmp_path, 16 * 2**20)
+    store.load()
+    store.start()
+    try:
+        await store.commit(_put(-1))  # the writer is awake and idle
+        before = store.commits
+        await asyncio.gather(*(store.commit(_put(i)) for i in range(50)))  # all handed over before the writer looks
+        assert store.commits - before < 50
+    finally:
+        store.stop()
+    reopened = Store(tmp_path, 16 * 2**20)
+    reopened.start()
+    try:
+        assert {reopened.load().meta[f"k{i}"]["i"] for i in range(50)} == set(range(50))
+    finally:
+        reopened.stop()
+
+
+async def test_a_call_made_while_syncing_that_fails_keeps_no_answer_from_being_given(tmp_path: Path) -> None:
+    store = Store(tmp_path, 16 * 2**20)
+    store.load()
+    store.start()
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    ran: list[int] = []
+
+    def fails() -> None:
+        raise RuntimeError("a broken answer")
+
+    try:
+        first = store.commit(_put(1), fails)
+        second = store.commit(_put(2), lambda: ran.append(2))
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+    finally:
+        store.stop()
+        loop.set_exception_handler(None)
+    assert ran == [2]
+    assert [type(context["exception"]) for context in reported] == [RuntimeError]
+
+
+@pytest.mark.parametrize("events_kept", [1, 100])
+async def test_the_event_log_keeps_the_newest_events(tmp_path: Path, events_kept: int) -> None:
+    store = Store(tmp_path, 16 * 2**20, events_kept=events_kept)
+    store.load()
+    store.start()
+    try:
+        for seq in range(1, 3 * PRUNE_EVERY + 1):
+            await store.commit([Write("events", seq_key(seq), {"seq": seq})])
+        kept = [event["seq"] for event in store.events_after(0, 10_000)]
+    finally:
+        store.stop()
+    assert kept[-1] == 3 * PRUNE_EVERY
+    assert kept == list(range(kept[0], kept[-1] + 1))
+    assert events_kept <= len(kept) < events_kept + PRUNE_EVERY
