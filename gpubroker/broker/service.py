@@ -343,7 +343,7 @@ class Broker:
         self._leased_memory += lease.memory
         for gpu in lease.gpus:
             self._on_gpu.setdefault(gpu.index, GpuLeases()).add(lease, gpu.bytes)
-        self._changed(lease)
+            self._stale.add(gpu.index)
 
     def _unhold(self, lease: Lease) -> None:
         if self.leases.pop(lease.id, None) is not None:
@@ -513,13 +513,18 @@ class Broker:
         """Reserve the room in memory at once (the loop is the lock) and return what must be made durable."""
         now = self.clock.now()
         request = waiter.request
-        by_index = {r.index: r for r in self.readings}
         self._lease_epoch += 1
-        gpus = []
-        for index, size in placement.gpus:
-            uuid = by_index[index].uuid
-            self._gpu_epochs[uuid] = self._gpu_epochs.get(uuid, 0) + 1
-            gpus.append(LeasedGpu(index, uuid, size, self._gpu_epochs[uuid]))
+        gpus: list[LeasedGpu] = []
+        uuids: list[str] = []
+        sizes: list[int] = []
+        where: list[str] = []
+        for index, size in placement.gpus:  # one pass builds the lease's GPUs and what its event says of them
+            uuid = next(r.uuid for r in self.readings if r.index == index)
+            epoch = self._gpu_epochs[uuid] = self._gpu_epochs.get(uuid, 0) + 1
+            gpus.append(LeasedGpu(index, uuid, size, epoch))
+            uuids.append(uuid)
+            sizes.append(size)
+            where.append(f"GPU {index} {gib(size)} GiB epoch {epoch}")
         ttl = request.ttl or self.config.default_ttl
         token = new_token()  # the id was drawn when the request arrived
         holder = waiter.holder
@@ -547,20 +552,14 @@ class Broker:
         )
         self._hold(lease)
         waiter.lease = lease
-        where = ", ".join(f"GPU {g.index} {gib(g.bytes)} GiB epoch {g.epoch}" for g in gpus) or "no GPU"
         writes = [
             Write("leases", lease.id.encode(), lease.to_record()),
             self._event(
                 "lease.granted",
-                f"lease {lease.id} granted to {holder.name or 'an unnamed holder'} ({lease.priority}): {where}",
+                f"lease {lease.id} granted to {holder.name or 'an unnamed holder'} ({lease.priority}): {', '.join(where) or 'no GPU'}",
                 lease=lease.id,
-                gpu=gpus[0].uuid if gpus else None,
-                details={
-                    "gpus": [g.uuid for g in gpus],
-                    "bytes": [g.bytes for g in gpus],
-                    "epoch": lease.epoch,
-                    "waited": round(now - waiter.enqueued_at, 3),
-                },
+                gpu=uuids[0] if uuids else None,
+                details={"gpus": uuids, "bytes": sizes, "epoch": lease.epoch, "waited": round(now - waiter.enqueued_at, 3)},
             ),
         ]
         if lease.bind == "caller" and holder.pid is not None:
