@@ -61,9 +61,10 @@ PAGE_PREFIXES = ("/v1/", "/fragment/", "/metrics", "/openapi.json", "/healthz")
 async def api_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Host, Origin and sign-in checks, then the handler; every failure leaves in the one error shape, with its status from SPEC §3.6."""
     try:
-        _check_host(request)
-        _check_origin(request)
-        await _authenticate(request)
+        if _caller(request).transport == "tcp":  # on the Unix socket the kernel has named the caller: nothing to check
+            _check_host(request)
+            _check_origin(request)
+            await _authenticate(request)
         return await handler(request)
     except Unauthorized as error:
         if request.method == "GET" and not request.path.startswith(PAGE_PREFIXES):
@@ -112,19 +113,18 @@ def allowed_hosts(config: Config) -> frozenset[str]:
 
 
 def _check_host(request: web.Request) -> None:
-    """Against DNS rebinding: on TCP, the Host must be localhost, the listen address or an allowed host."""
-    if _caller(request).transport == "tcp":
-        host = request.headers.get("Host", "")
-        name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]", 1)[0]
-        if name.lower() not in request.app[CONFIG_HOSTS]:
-            raise Forbidden(
-                f"Host {host!r} is not this broker's address; add it to allowed_hosts to reach the API by that name", {"host": host}
-            )
+    """Against DNS rebinding (a TCP caller): the Host must be localhost, the listen address or an allowed host."""
+    host = request.headers.get("Host", "")
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]", 1)[0]
+    if name.lower() not in request.app[CONFIG_HOSTS]:
+        raise Forbidden(
+            f"Host {host!r} is not this broker's address; add it to allowed_hosts to reach the API by that name", {"host": host}
+        )
 
 
 def _check_origin(request: web.Request) -> None:
-    """Against cross-site requests: a change sent by a page of another site is refused, signed in or not."""
-    if request.method not in CHANGES or _caller(request).transport != "tcp":
+    """Against cross-site requests (a TCP caller): a change sent by a page of another site is refused, signed in or not."""
+    if request.method not in CHANGES:
         return
     origin = request.headers.get("Origin")
     host = request.headers.get("Host", "")
@@ -142,7 +142,7 @@ async def _authenticate(request: web.Request) -> None:
     """With a UI password set, a TCP caller needs the API token or a signed-in session (and its CSRF token for a change)."""
     caller = _caller(request)
     guard = request.app[GUARD]
-    if caller.transport != "tcp" or not guard.required or request.path.startswith(OPEN_PATHS):
+    if not guard.required or request.path.startswith(OPEN_PATHS):
         return
     header = request.headers.get("Authorization")
     if header is not None:

@@ -125,3 +125,25 @@ def test_a_waiting_request_is_cancelled_when_its_client_disconnects(broker: Brok
 
     wait_for(lambda: len(waiting_events()) == 2)
     assert waiting_events() == ["lease.queued", "lease.cancelled"]
+
+
+def test_host_and_origin_are_checked_on_tcp_only_as_the_kernel_names_a_socket_caller(broker: BrokerProcess) -> None:
+    import json
+    import socket as sockets
+
+    body = json.dumps({"gpu_memory": "1GiB", "bind": "none"}).encode()
+    request = (
+        b"POST /v1/leases HTTP/1.1\r\nHost: evil.example\r\nOrigin: http://evil.example\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+
+    def status(sock: sockets.socket) -> bytes:
+        sock.sendall(request)
+        return sock.recv(64).split(b"\r\n", 1)[0]
+
+    with sockets.socket(sockets.AF_UNIX) as unix:
+        unix.connect(str(broker.socket))
+        assert status(unix) == b"HTTP/1.1 201 Created"
+    with sockets.create_connection(("127.0.0.1", broker.port)) as tcp:
+        assert status(tcp) == b"HTTP/1.1 403 Forbidden"
