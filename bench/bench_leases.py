@@ -42,7 +42,7 @@ import common  # bench/common.py: run as a script, this folder is on the path
 import lmdb
 import psutil
 from aiohttp import web
-from common import BenchError, conduct, percentile
+from common import BenchError, conduct, meets, percentile
 
 from gpubroker.broker.store import Store, Write, seq_key
 
@@ -688,9 +688,7 @@ def group_commit(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _meets(name: str, value: float) -> str:
-    op, goal = GOALS[name]
-    ok = {"<=": value <= goal, ">=": value >= goal, "<": value < goal}[op]
-    return f"goal {op} {goal:g}: {'met' if ok else 'MISSED'}"
+    return meets(GOALS[name], value)
 
 
 def _lat(figures: dict[str, float]) -> str:

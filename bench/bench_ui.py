@@ -57,7 +57,7 @@ import aiohttp
 import common  # bench/common.py: run as a script, this folder is on the path
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from common import BenchError, conduct, percentile
+from common import BenchError, conduct, meets, percentile
 
 from gpubroker.broker.probes import GpuProcess, GpuReading
 from gpubroker.broker.request import parse_request
@@ -460,9 +460,7 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _meets(name: str, value: float) -> str:
-    op, goal = GOALS[name]
-    ok = {"<=": value <= goal, ">=": value >= goal, "<": value < goal}[op]
-    return f"goal {op} {goal:g} ms: {'met' if ok else 'MISSED'}"
+    return meets(GOALS[name], value, " ms")
 
 
 def _lat(figures: dict[str, float]) -> str:

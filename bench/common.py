@@ -30,6 +30,13 @@ def percentile(samples: list[float], fraction: float) -> float:
     return ordered[min(len(ordered), max(1, math.ceil(fraction * len(ordered)))) - 1]
 
 
+def meets(goal: tuple[str, float], value: float, unit: str = "") -> str:
+    """A figure beside its goal (op, value): "goal <= 1.5: met" or "...: MISSED"."""
+    op, target = goal
+    ok = {"<=": value <= target, ">=": value >= target, "<": value < target}[op]
+    return f"goal {op} {target:g}{unit}: {'met' if ok else 'MISSED'}"
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on (each benchmark adds what matters to it)."""
     return {

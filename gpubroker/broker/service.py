@@ -343,7 +343,7 @@ class Broker:
         self._leased_memory += lease.memory
         for gpu in lease.gpus:
             self._on_gpu.setdefault(gpu.index, GpuLeases()).add(lease, gpu.bytes)
-            self._stale.add(gpu.index)
+        self._changed(lease)
 
     def _unhold(self, lease: Lease) -> None:
         if self.leases.pop(lease.id, None) is not None:
