@@ -42,7 +42,7 @@ import common  # bench/common.py: run as a script, this folder is on the path
 import lmdb
 import psutil
 from aiohttp import web
-from common import BenchError, conduct, meets, percentile
+from common import BenchError, arguments, conduct, load_line, meets, percentile
 
 from gpubroker.broker.store import Store, Write, seq_key
 
@@ -775,17 +775,13 @@ def table(results: dict[str, Any]) -> str:
         f"  median of {len(start['samples_s'])}             {start['median_s']:6.3f} s    {_meets('start_to_ready_s', start['median_s'])}"
         f"   (samples {', '.join(f'{s:.3f}' for s in start['samples_s'])}; the 'ready' line at {start['ready_line_median_s']:.3f} s)",
         "",
-        f"load average {m['loadavg_at_start'][0]:.2f} at start, {results['loadavg_at_end'][0]:.2f} at end; runtime {results['runtime_s']:.1f} s",
+        load_line(results),
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="fewer pairs, one repeat, three starts (under ~40 s)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where the JSON goes (default {DEFAULT_OUT.relative_to(ROOT)})")
-    parser.add_argument("--dir", default=None, help="where the temporary state directories go (default: the system's temp dir)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser = arguments(__doc__, "fewer pairs, one repeat, three starts (under ~40 s)", DEFAULT_OUT, ROOT)
     parser.add_argument("--serve-trivial", nargs=2, metavar=("SOCKET", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_trivial:

@@ -35,7 +35,6 @@ average (printed at start and end).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import cProfile
@@ -57,7 +56,7 @@ import aiohttp
 import common  # bench/common.py: run as a script, this folder is on the path
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from common import BenchError, conduct, meets, percentile
+from common import BenchError, arguments, conduct, load_line, meets, percentile
 
 from gpubroker.broker.probes import GpuProcess, GpuReading
 from gpubroker.broker.request import parse_request
@@ -525,22 +524,18 @@ def table(results: dict[str, Any]) -> str:
         lines += ["", f"Profile of the {n}-node Cluster page's render", results["profile"].rstrip()]
     lines += [
         "",
-        f"load average {m['loadavg_at_start'][0]:.2f} at start, {results['loadavg_at_end'][0]:.2f} at end; runtime {results['runtime_s']:.1f} s",
+        load_line(results),
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="50 rounds instead of 1,000 (a few seconds)")
+    parser = arguments(__doc__, "50 rounds instead of 1,000 (a few seconds)", DEFAULT_OUT, ROOT)
     parser.add_argument("--nodes", type=int, default=None, help="nodes in the cluster, this one included (default 50)")
     parser.add_argument("--seed", type=int, default=1, help="the simulated cluster's seed (GPUs, processes, leases)")
     parser.add_argument(
         "--profile", type=int, nargs="?", const=25, default=0, metavar="TOP", help="print a cProfile of the render (top 25)"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where the JSON goes (default {DEFAULT_OUT.relative_to(ROOT)})")
-    parser.add_argument("--dir", default=None, help="where the temporary state directories go (default: the system's temp dir)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.nodes is not None:

@@ -3,6 +3,7 @@ is always removed, and the run itself (results as JSON, the table printed, statu
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -67,6 +68,24 @@ def workdir(parent: str | None, prefix: str) -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def arguments(doc: str | None, quick_help: str, default_out: Path, root: Path) -> argparse.ArgumentParser:
+    """The options every benchmark run by `conduct` takes (--quick, --out, --dir, --quiet); each adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=default_out, help=f"where the JSON goes (default {default_out.relative_to(root)})")
+    parser.add_argument("--dir", default=None, help="where the temporary state directories go (default: the system's temp dir)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def load_line(results: dict[str, Any]) -> str:
+    """The table's last line: how busy the machine was, and how long the run took."""
+    return (
+        f"load average {results['machine']['loadavg_at_start'][0]:.2f} at start, {results['loadavg_at_end'][0]:.2f} at end; "
+        f"runtime {results['runtime_s']:.1f} s"
+    )
 
 
 def _interrupt(signum: int, frame: object) -> None:
