@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket as sockets
 
 import pytest
 from conftest import BrokerProcess
@@ -101,9 +103,6 @@ def test_the_openapi_document_names_every_endpoint(broker: BrokerProcess) -> Non
 
 
 def test_a_waiting_request_is_cancelled_when_its_client_disconnects(broker: BrokerProcess) -> None:
-    import json
-    import socket as sockets
-
     from conftest import wait_for
 
     tcp = broker.client(tcp=True)
@@ -128,9 +127,6 @@ def test_a_waiting_request_is_cancelled_when_its_client_disconnects(broker: Brok
 
 
 def test_host_and_origin_are_checked_on_tcp_only_as_the_kernel_names_a_socket_caller(broker: BrokerProcess) -> None:
-    import json
-    import socket as sockets
-
     body = json.dumps({"gpu_memory": "1GiB", "bind": "none"}).encode()
     request = (
         b"POST /v1/leases HTTP/1.1\r\nHost: evil.example\r\nOrigin: http://evil.example\r\nContent-Type: application/json\r\n"
