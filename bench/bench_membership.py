@@ -16,10 +16,7 @@ Figures, all in fake seconds of the simulated cluster (latency 0.5–2 ms per da
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import platform
+import os
 import random
 import statistics
 import sys
@@ -31,6 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "gossip"))
 
+import common  # noqa: E402  (bench/common.py: run as a script, this folder is on the path)
+from common import BenchError, arguments, conduct, load_line, percentile  # noqa: E402
 from fakenet import SIZES, FakeNet  # noqa: E402
 
 from gpubroker.gossip.membership import EventKind, Membership, MembershipConfig  # noqa: E402
@@ -51,13 +50,8 @@ def started(n: int, seed: int, config: MembershipConfig | None = None) -> FakeNe
     net = FakeNet(seed, config=config)
     net.cluster(n)
     if net.run_until_true(lambda: converged(net), timeout=120.0, step=0.1) is None:
-        raise SystemExit(f"{n} nodes did not converge in 120 s of fake time")
+        raise BenchError(f"{n} nodes did not converge in 120 s of fake time")
     return net
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 def notice_spread(n: int, notices: int, seed: int) -> dict[str, Any]:
@@ -79,10 +73,10 @@ def notice_spread(n: int, notices: int, seed: int) -> dict[str, Any]:
 
         reached = net.run_until_true(everyone, timeout=30.0, step=0.002)
         if reached is None:
-            raise SystemExit(f"a notice reached {have} of {n - 1} nodes in 30 s")
+            raise BenchError(f"a notice reached {have} of {n - 1} nodes in 30 s")
         delays.append(reached - sent)
         net.run_for(rng.uniform(0.5, 2.0))
-    return {"n": n, "notices": notices, "p50_ms": statistics.median(delays) * 1000, "p99_ms": quantile(delays, 0.99) * 1000}
+    return {"n": n, "notices": notices, "p50_ms": statistics.median(delays) * 1000, "p99_ms": percentile(delays, 0.99) * 1000}
 
 
 def detection(n: int, trials: int, seed: int) -> dict[str, Any]:
@@ -95,7 +89,7 @@ def detection(n: int, trials: int, seed: int) -> dict[str, Any]:
         killed = net.now
         done = net.run_until_true(partial(net.all_see, MemberState.DEAD, [victim]), timeout=300.0)
         if done is None:
-            raise SystemExit(f"a killed node at N={n} was not dead everywhere after 300 s")
+            raise BenchError(f"a killed node at N={n} was not dead everywhere after 300 s")
         times.append(max(o.at for o in net.log if o.kind is EventKind.DEAD and o.node == victim) - killed)
     c = MembershipConfig()
     shortest = suspicion_timeout(c.suspicion_mult, n, c.probe_interval)
@@ -171,67 +165,76 @@ def traffic(n: int, seconds: float, churn: bool, seed: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer notices, trials and seconds of traffic (well under a minute)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
-    quick, seed = args.quick, args.seed
-    wall = time.monotonic()
+FALSE_DEAD_CASES = [(0.10, True, False), (0.30, True, False), (0.10, False, False), (0.30, False, False), (0.0, True, True)]
+HOURS = 1.0
+
+
+def run(quick: bool, seed: int, progress: bool) -> dict[str, Any]:
+    def say(message: str) -> None:
+        if progress:
+            print(f"  … {message}", file=sys.stderr, flush=True)
+
+    started_at = time.perf_counter()
     results: dict[str, Any] = {
-        "quick": quick,
+        "machine": common.machine(),
         "seed": seed,
-        "python": platform.python_version(),
         "config": {k: getattr(MembershipConfig(), k) for k in MembershipConfig.__dataclass_fields__},
         "goals": GOALS,
     }
+    say("notice to every node")
+    results["notice"] = [
+        notice_spread(n, count, seed) for n, count in ((10, 20 if quick else 100), (50, 10 if quick else 50), (200, 5 if quick else 20))
+    ]
+    say("failure detection")
+    results["detection"] = [detection(n, trials, seed) for n, trials in ((10, 5 if quick else 20), (50, 3 if quick else 10))]
+    say("false dead declarations")
+    results["false_dead"] = [false_deads(10, loss, HOURS, seed, tcp=tcp, stall=stall) for loss, tcp, stall in FALSE_DEAD_CASES]
+    say("bytes per second")
+    results["traffic"] = [traffic(50, 60.0 if quick else 300.0, churn, seed) for churn in (False, True)]
+    results["loadavg_at_end"] = os.getloadavg()
+    results["runtime_s"] = time.perf_counter() - started_at
+    return results
 
-    print("notice to every node (fake time)")
-    results["notice"] = []
-    for n, count in ((10, 20 if quick else 100), (50, 10 if quick else 50), (200, 5 if quick else 20)):
-        r = notice_spread(n, count, seed)
-        results["notice"].append(r)
-        print(f"  N={n:<4} p50 {r['p50_ms']:7.0f} ms   p99 {r['p99_ms']:7.0f} ms   ({count} notices)")
 
-    print("failure detection: kill one node → dead on all others")
-    results["detection"] = []
-    for n, trials in ((10, 5 if quick else 20), (50, 3 if quick else 10)):
-        r = detection(n, trials, seed)
-        results["detection"].append(r)
+def table(results: dict[str, Any]) -> str:
+    lines = ["notice to every node (fake time)"]
+    for r in results["notice"]:
+        lines.append(f"  N={r['n']:<4} p50 {r['p50_ms']:7.0f} ms   p99 {r['p99_ms']:7.0f} ms   ({r['notices']} notices)")
+    lines.append("failure detection: kill one node → dead on all others")
+    for r in results["detection"]:
         serf = f", Serf measured {r['serf_measured_s']} s" if r["serf_measured_s"] else ""
-        print(
-            f"  N={n:<4} median {r['median_s']:5.2f} s   max {r['max_s']:5.2f} s   "
+        lines.append(
+            f"  N={r['n']:<4} median {r['median_s']:5.2f} s   max {r['max_s']:5.2f} s   "
             f"(memberlist: suspicion {r['memberlist_suspicion_min_s']:.1f}–{r['memberlist_suspicion_max_s']:.1f} s, "
             f"expected ≈ {r['memberlist_expected_s']:.1f} s{serf})"
         )
-
-    print("false dead declarations per node-hour (goal: 0)")
-    results["false_dead"] = []
-    hours = 1.0
-    cases = [(0.10, True, False), (0.30, True, False), (0.10, False, False), (0.30, False, False), (0.0, True, True)]
-    for loss, tcp, stall in cases:
-        r = false_deads(10, loss, hours, seed, tcp=tcp, stall=stall)
-        results["false_dead"].append(r)
-        what = "one loop stalled 2 s every 30 s" if stall else f"{loss:.0%} loss, {'with' if tcp else 'without'} TCP fallback ping"
-        print(
-            f"  N=10 {what:<42} {r['false_dead_per_node_hour']:6.2f}   ({r['false_dead']} dead, {r['suspicions']} suspicions in {hours} h)"
+    lines.append("false dead declarations per node-hour (goal: 0)")
+    for r in results["false_dead"]:
+        what = (
+            "one loop stalled 2 s every 30 s"
+            if r["stall_2s_every_30s"]
+            else f"{r['loss']:.0%} loss, {'with' if r['tcp_fallback'] else 'without'} TCP fallback ping"
         )
-
-    print("bytes per second per node, N=50 (goal idle: < 1000)")
-    results["traffic"] = []
-    for churn in (False, True):
-        r = traffic(50, 60.0 if quick else 300.0, churn, seed)
-        results["traffic"].append(r)
-        print(
-            f"  {'churn' if churn else 'idle':<6} mean {r['bytes_per_s_per_node_mean']:7.0f}   max {r['bytes_per_s_per_node_max']:7.0f}   (sizes: {r['sizes_from']})"
+        lines.append(
+            f"  N={r['n']} {what:<42} {r['false_dead_per_node_hour']:6.2f}   "
+            f"({r['false_dead']} dead, {r['suspicions']} suspicions in {r['hours']} h)"
         )
+    lines.append("bytes per second per node, N=50 (goal idle: < 1000)")
+    for r in results["traffic"]:
+        lines.append(
+            f"  {'churn' if r['churn'] else 'idle':<6} mean {r['bytes_per_s_per_node_mean']:7.0f}   "
+            f"max {r['bytes_per_s_per_node_max']:7.0f}   (sizes: {r['sizes_from']})"
+        )
+    lines += ["", load_line(results)]
+    return "\n".join(lines)
 
-    results["wall_s"] = time.monotonic() - wall
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out} ({results['wall_s']:.0f} s of wall time)")
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__, "fewer notices, trials and seconds of traffic (well under a minute)", DEFAULT_OUT, ROOT)
+    parser.add_argument("--seed", type=int, default=1, help="the simulated cluster's seed (default 1)")
+    args = parser.parse_args(argv)
+    return conduct("bench_membership", args, lambda root: run(args.quick, args.seed, not args.quiet), table, "gpubroker-bench-membership-")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,24 +6,27 @@ killed broker takes to be dead on all the others; and how long after a link come
 broker sees every other alive again. Printed beside the goals (and HashiCorp Serf's detection
 times on this kind of machine, from the issue), written as JSON. Never fails on a time.
 
-    .venv/bin/python bench/bench_mesh_netns.py [--sizes 3,5] [--out FILE]   (root: it makes namespaces)
+    .venv/bin/python bench/bench_mesh_netns.py [--quick] [--sizes 3,5] [--repeats N] [--out FILE]
+    (as root: it makes namespaces; --quick is N = 3 once)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
+import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
 
+import common  # noqa: E402  (bench/common.py: run as a script, this folder is on the path)
+from common import arguments, conduct, load_line  # noqa: E402
 from netns import Lan, NsBroker, available, form, timed  # noqa: E402
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "mesh_netns.json"
 
 GIB = 2**30
 SERF_DETECTION = {3: 5.8, 10: 7.0}  # seconds, measured the same way in namespaces (issue 3)
@@ -57,45 +60,53 @@ def one_size(size: int, root: Path) -> dict[str, Any]:
     return {"n": size, "formed_s": formed, "lease_spread_s": spread, "detection_s": detected, "rejoin_mdns_s": rejoined, "heal_s": healed}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="3,5")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "mesh_netns.json"))
-    args = parser.parse_args()
-    if not available():
-        print("network namespaces need root and iproute2", file=sys.stderr)
-        return 2
-    runs: list[dict[str, Any]] = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        for _ in range(args.repeats):
-            with tempfile.TemporaryDirectory(prefix="gpubroker-mesh-") as tmp:
-                runs.append(one_size(size, Path(tmp)))
-    print(
-        f"{'N':>3} {'formed':>8} {'lease seen':>11} {'dead after':>11} {'rejoin':>8} {'healed':>8}   goals: formed < 5 s, lease < 2 s, dead < 8 s (Serf N=3: 5.8 s), heal < 30 s"
-    )
-    for size in sorted({r["n"] for r in runs}):
-        mine = [r for r in runs if r["n"] == size]
+def run(sizes: list[int], repeats: int, root: Path, progress: bool) -> dict[str, Any]:
+    started = time.perf_counter()
+    results: dict[str, Any] = {"machine": common.machine(), "sizes": sizes, "repeats": repeats, "runs": []}
+    for size in sizes:
+        for repeat in range(repeats):
+            if progress:
+                print(f"  … N = {size}, run {repeat + 1}/{repeats}", file=sys.stderr, flush=True)
+            where = root / f"n{size}-{repeat}"
+            where.mkdir()
+            results["runs"].append(one_size(size, where))
+    results["loadavg_at_end"] = os.getloadavg()
+    results["runtime_s"] = time.perf_counter() - started
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"{'N':>3} {'formed':>8} {'lease seen':>11} {'dead after':>11} {'rejoin':>8} {'healed':>8}   "
+        "goals: formed < 5 s, lease < 2 s, dead < 8 s (Serf N=3: 5.8 s), heal < 30 s"
+    ]
+    for size in results["sizes"]:
+        mine = [r for r in results["runs"] if r["n"] == size]
 
         def med(key: str, mine: list[dict[str, Any]] = mine) -> float:
             return statistics.median(r[key] for r in mine)
 
         serf = SERF_DETECTION.get(size)
-        print(
+        lines.append(
             f"{size:>3} {med('formed_s'):>7.2f}s {med('lease_spread_s'):>10.2f}s {med('detection_s'):>10.2f}s "
             f"{med('rejoin_mdns_s'):>7.2f}s {med('heal_s'):>7.2f}s" + (f"   (Serf: {serf} s)" if serf else "")
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"machine": {"python": platform.python_version(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "runs": runs},
-            indent=2,
-        )
-    )
-    print(f"results in {out}")
-    return 0
+    lines += ["", load_line(results)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__, "N = 3 only, once (about half a minute)", DEFAULT_OUT, ROOT)
+    parser.add_argument("--sizes", default="3,5", help="the cluster sizes, comma-separated (default 3,5)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each size (default 1)")
+    args = parser.parse_args(argv)
+    if not available():
+        print("bench_mesh_netns: network namespaces need root and iproute2", file=sys.stderr)
+        return 2
+    sizes = [3] if args.quick else [int(s) for s in args.sizes.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    return conduct("bench_mesh_netns", args, lambda root: run(sizes, repeats, root, not args.quiet), table, "gpubroker-mesh-")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

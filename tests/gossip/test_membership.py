@@ -486,3 +486,5 @@ def test_the_membership_benchmark_runs_and_writes_its_figures_as_json(tmp_path: 
     assert [r["n"] for r in results["notice"]] == [10, 50, 200]
     assert [r["n"] for r in results["detection"]] == [10, 50]
     assert results["traffic"][0]["bytes_per_s_per_node_mean"] > 0
+    assert results["machine"]["python"]
+    assert results["runtime_s"] > 0
