@@ -103,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     if not available():
         print("bench_mesh_netns: network namespaces need root and iproute2", file=sys.stderr)
         return 2
-    sizes = [3] if args.quick else [int(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [3] if args.quick else sorted({int(s) for s in args.sizes.split(",")})
+    except ValueError:
+        parser.error(f"--sizes is a comma-separated list of cluster sizes, not {args.sizes!r}")
+    if sizes[0] < 2 or args.repeats < 1:
+        parser.error("a cluster has at least 2 brokers, and each size runs at least once")
     repeats = 1 if args.quick else args.repeats
     return conduct("bench_mesh_netns", args, lambda root: run(sizes, repeats, root, not args.quiet), table, "gpubroker-mesh-")
 
