@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import wait_for
 
 from gpubroker.client import Client, ClientError, Endpoint
@@ -26,6 +27,11 @@ def _ip(*args: str) -> None:
 
 def available() -> bool:
     return os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+
+
+# On a machine where namespaces cannot be made (no root, no iproute2) these tests cannot run at all;
+# CI and the development machines run as root, so there they always run.
+needs_netns = pytest.mark.skipif(not available(), reason="network namespaces need root and iproute2")
 
 
 @dataclass

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for
-from netns import Lan, NsBroker, available, form, timed
+from netns import Lan, NsBroker, form, needs_netns, timed
 
 from gpubroker.client import ClientError
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available(), reason="network namespaces need root and iproute2")]
+pytestmark = [pytest.mark.slow, needs_netns]
 GIB = 2**30
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from netns import Lan, available
+from netns import Lan, needs_netns
 
 SCRIPT = """
 import asyncio, json, sys
@@ -27,7 +27,7 @@ async def main(node, address):
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available(), reason="network namespaces need root and iproute2")]
+pytestmark = [pytest.mark.slow, needs_netns]
 
 
 def test_brokers_on_one_lan_find_each_other_by_mdns_with_their_cluster_hash() -> None:
