@@ -940,5 +940,6 @@ class Broker:
     def events(self, after: int, limit: int) -> tuple[list[dict[str, Any]], int]:
         events = self.store.events_after(after, limit)
         for event in events:
-            event["time"] = rfc3339(event["time"])
+            if not isinstance(event["time"], str):  # older stores hold the RFC 3339 form already
+                event["time"] = rfc3339(event["time"])
         return events, events[-1]["seq"] if events else after

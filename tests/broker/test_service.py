@@ -17,7 +17,7 @@ from fakes import GIB, FakeClock, FakeGpuProbe
 from gpubroker.broker.probes import GpuProcess
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
-from gpubroker.broker.store import PRUNE_EVERY, Store
+from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
 from gpubroker.config import Config, Stamp
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, NotFound, StoreFull
 from gpubroker.units import parse_time, rfc3339
@@ -536,6 +536,21 @@ async def test_the_history_and_the_event_log_stay_bounded_in_the_store(make_node
     assert [lease["id"] for lease in node.broker.list_leases("released", 100)] == newest
     on_disk = node.broker.store.load()
     assert 5 <= len(on_disk.ended) < 5 + PRUNE_EVERY
+
+
+async def test_events_an_older_broker_wrote_are_served_as_they_were_written(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.broker.close()
+    old = Store(node.config.state_dir, node.config.store_size)  # a store from before event times were kept as numbers
+    old.start()
+    seq = old.load().last_event + 1
+    written = {"seq": seq, "time": "2026-11-01T12:00:00.000Z", "type": "broker.stopped", "message": "broker stopped", "details": {}}
+    await old.commit([Write("events", seq_key(seq), {**written, "node": node.broker.node_id})])
+    old.stop()
+    await node.start()
+    found = await node.events()
+    assert {k: found[-2][k] for k in written} == written
+    assert (found[-1]["type"], found[-1]["time"]) == ("broker.started", rfc3339(node.clock.now()))
 
 
 async def test_the_budgets_a_release_changes_are_computed_again_while_it_syncs(make_node: Callable[..., Any]) -> None:
