@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -248,12 +249,22 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     finally:
         os.close(gate[0])
     terminal = _Terminal.open()
+    refused: ClientError | None = None
     try:
         client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token)
         terminal.hand_to(child.pid)
         os.write(gate[1], b"go\n")
+    except ClientError as error:
+        refused = error
     finally:
         os.close(gate[1])
+    if refused is not None:  # CMD never started (its gate closed unopened), and the lease goes with it
+        print(f"gpubroker: CMD's process group could not be registered: {refused.code}: {refused.message}", file=sys.stderr)
+        terminal.take_back()
+        child.wait()
+        with contextlib.suppress(ClientError):
+            client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token)
+        return 1
 
     def forward(signum: int, _frame: object) -> None:
         try:

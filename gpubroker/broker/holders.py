@@ -71,6 +71,16 @@ class HolderWatch:
             self.unwatch(key)
 
 
+def group_owners(pgid: int) -> set[int]:
+    """The real uids of the processes in a process group; empty if it has none (scans every process: run it off the loop)."""
+    owners: set[int] = set()
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(process.pid) == pgid:
+                owners.add(process.uids().real)
+    return owners
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

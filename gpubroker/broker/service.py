@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import os
 import pwd
 import secrets
 import time
@@ -749,8 +750,25 @@ class Broker:
         """Add a process group to the lease: its GPU memory is the lease's, and it is signalled when the lease ends."""
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
-        if not holders.group_alive(pgid):
+        if pgid == os.getpgrp():
+            raise Forbidden(f"process group {pgid} is the broker's own", {"pgid": pgid})
+        owners = await asyncio.to_thread(holders.group_owners, pgid)
+        if not owners:
             raise InvalidRequest(f"process group {pgid} does not exist", {"field": "pgid"})
+        # The broker signals a lease's groups when it ends: a token alone must not let anyone have
+        # another user's processes killed. Only a uid the kernel named may be trusted here.
+        uid = caller.uid if caller.transport == "unix" else lease.holder.uid
+        if uid is None:
+            raise Forbidden(
+                f"process group {pgid} can be registered only on the Unix socket, or to a lease granted there: over TCP nobody names the caller",
+                {"pgid": pgid},
+            )
+        if uid != 0 and owners != {uid}:
+            raise Forbidden(
+                f"process group {pgid} has processes of uid {', '.join(map(str, sorted(owners)))}; uid {uid} may register only its own",
+                {"pgid": pgid, "uids": sorted(owners)},
+            )
+        lease = self._live(lease_id)  # it may have ended while the processes were read
         if pgid not in lease.pgids:
             lease.pgids.append(pgid)
             self._changed(lease)  # its processes on its accelerators are now its own

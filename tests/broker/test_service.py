@@ -344,6 +344,28 @@ async def test_a_stamped_caller_gets_the_stamped_class_whatever_it_asked(make_no
     assert other["priority"] == "production"
 
 
+async def test_a_process_group_is_registered_only_by_a_uid_the_kernel_named_that_owns_it(make_node: Callable[..., Any]) -> None:
+    """A lease's groups are signalled when it ends: its token alone must not let anyone have others' processes killed."""
+    node = await make_node()
+    lease, token = await node.ask(gpu_memory="1GiB")  # over TCP: nobody named its holder's uid
+    work = subprocess.Popen(["sleep", "30"], process_group=0)  # a group of this test's own uid
+    try:
+        someone_else = Caller("unix", uid=os.getuid() + 1, pid=None)
+        for caller, pgid, says in [
+            (someone_else, work.pid, f"uid {os.getuid() + 1} may register only its own"),
+            (TCP, work.pid, "only on the Unix socket"),
+            (ME, os.getpgrp(), "the broker's own"),
+        ]:
+            with pytest.raises(Forbidden, match=says):
+                await node.broker.register_group(lease["id"], caller, token, pgid)
+        assert node.broker.leases[lease["id"]].pgids == []
+        owner = Caller("unix", uid=os.getuid(), pid=None)
+        assert (await node.broker.register_group(lease["id"], owner, token, work.pid)).pgids == [work.pid]
+    finally:
+        work.kill()
+        work.wait()
+
+
 async def test_memory_still_used_after_release_is_reported_and_counts_as_external(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "trainer", "pid": 4242})
