@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -92,9 +93,14 @@ def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cl
     events = cli("events")
     assert "lease.granted" in events.stdout
     assert "lease.released" in events.stdout
-    refused = cli("lease", "--gpu-memory", "30GiB")
+    held = cli("lease", "--gpu-memory", "10GiB", "--json")
+    refused = cli("lease", "--gpu-memory", "20GiB")
     assert refused.returncode == 75
     assert "INSUFFICIENT_SCHEDULABLE_VRAM" in refused.stderr
+    never = cli("lease", "--gpu-memory", "30GiB", "--wait", "forever")
+    assert never.returncode == 75
+    assert "CAPABILITY_UNAVAILABLE" in never.stderr
+    assert json.loads(held.stdout)["state"] == "granted"
 
 
 def test_a_broker_restarted_on_its_state_keeps_its_leases(broker_process: type[BrokerProcess]) -> None:

@@ -109,6 +109,16 @@ def place(
             f"{request.gpus} GPUs asked for; this node has {len(usable)}",
             {"need_gpus": request.gpus, "gpus": len(usable)},
         )
+    large_enough = [b for b in usable if request.gpu_memory <= b.figures.total - b.figures.reserve]
+    if len(large_enough) < request.gpus:  # it cannot fit even on an empty GPU: waiting would never end
+        largest = max(usable, key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index))
+        return Refusal(
+            FailureCode.CAPABILITY_UNAVAILABLE,
+            f"{gib(request.gpu_memory)} GiB asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
+            f"the largest here, {largest.label()}, can lease at most {gib(largest.figures.total - largest.figures.reserve)} GiB "
+            f"(its total less the {gib(largest.figures.reserve)} GiB reserve)",
+            {"need": request.gpu_memory, "need_gpus": request.gpus, **_figures(largest)},
+        )
     fresh = [b for b in usable if now - b.reading.observed_at <= staleness]
     if len(fresh) < request.gpus:
         stale = [b for b in usable if b not in fresh]

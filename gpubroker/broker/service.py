@@ -455,7 +455,7 @@ class Broker:
         decision = self._place(request, blocked)
         if isinstance(decision, Placement):
             return await self._grant_now(waiter, decision, while_syncing)
-        if not waits:
+        if not waits or decision.code is FailureCode.CAPABILITY_UNAVAILABLE:  # no release can make this node able to
             raise self._refused(request, decision)
         if request.deadline is not None and self._hopeless(request):
             raise self._refused(

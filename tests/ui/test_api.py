@@ -79,13 +79,15 @@ def test_events_are_served_after_a_sequence_number(broker: BrokerProcess) -> Non
 def test_metrics_show_the_seven_figures_per_gpu_uuid_and_requests_by_result(broker: BrokerProcess) -> None:
     tcp = broker.client(tcp=True)
     tcp.call("POST", "/v1/leases", {"gpu_memory": "1GiB"})
-    with pytest.raises(ClientError):
-        tcp.call("POST", "/v1/leases", {"gpu_memory": "100GiB"})
+    for body in ({"gpu_memory": "23GiB", "gpus": 2}, {"gpu_memory": "100GiB"}):  # no room now; no room ever
+        with pytest.raises(ClientError):
+            tcp.call("POST", "/v1/leases", body)
     text = tcp.text("/metrics")
     for name in ("total", "observed", "external", "resident", "leased", "reserve", "schedulable"):
         assert f'gpubroker_gpu_{name}_bytes{{index="0",name="Simulated GPU",uuid="GPU-sim-0"}}' in text, name
     assert 'gpubroker_requests_total{code="GRANTED"} 1.0' in text
     assert 'gpubroker_requests_total{code="INSUFFICIENT_SCHEDULABLE_VRAM"} 1.0' in text
+    assert 'gpubroker_requests_total{code="CAPABILITY_UNAVAILABLE"} 1.0' in text
     assert 'gpubroker_leases{priority="interactive",state="granted"} 1.0' in text
     assert "gpubroker_grant_latency_seconds_bucket" in text
     assert 'gpubroker_queue_depth{priority="background"} 0.0' in text

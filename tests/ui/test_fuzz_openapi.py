@@ -545,13 +545,22 @@ def test_bind_caller_over_tcp_without_a_holder_pid_is_an_invalid_request(api: Ap
     assert api.snapshot() == before
 
 
-def test_a_request_that_cannot_fit_waits_its_wait_then_times_out_unchanged(api: Api) -> None:
+def test_a_request_that_cannot_fit_now_waits_its_wait_then_times_out_unchanged(api: Api, held: dict[str, Any]) -> None:
     before = api.snapshot()
     started = time.monotonic()
-    answer = api.send("POST", "/v1/leases", {"gpu_memory": "30GiB", "wait": "200ms"})
+    answer = api.send("POST", "/v1/leases", {"gpu_memory": "23GiB", "gpus": 2, "wait": "200ms"})  # 1 GiB of one GPU is held
     assert 0.15 <= time.monotonic() - started < TIMEOUT
     assert answer.status_code == 409, answer.text
     assert assert_one_error_shape(answer) == "LEASE_TIMEOUT"
+    assert api.snapshot() == before
+
+
+def test_a_request_no_gpu_here_could_ever_hold_is_refused_at_once_even_when_it_would_wait(api: Api) -> None:
+    before = api.snapshot()
+    answer = api.send("POST", "/v1/leases", {"gpu_memory": "30GiB", "wait": "1h"})
+    assert answer.status_code == 409, answer.text
+    assert assert_one_error_shape(answer) == "CAPABILITY_UNAVAILABLE"
+    assert "can lease at most 23.0 GiB" in answer.json()["error"]["message"]
     assert api.snapshot() == before
 
 

@@ -138,7 +138,7 @@ def test_the_node_page_lists_processes_with_their_lease_or_no_lease(broker: Brok
 def test_the_events_page_filters_by_code(broker: BrokerProcess) -> None:
     tcp = broker.client(tcp=True)
     with pytest.raises(ClientError):
-        tcp.call("POST", "/v1/leases", {"gpu_memory": "100GiB"})
+        tcp.call("POST", "/v1/leases", {"gpu_memory": "20GiB", "gpu": 0})  # ollama holds 6 GiB of GPU 0
     wait_for(lambda: any(e.get("code") for e in tcp.call("GET", "/v1/events", query={"limit": 1000})["events"]))
     everything = page(broker, "/events")
     assert 'data-type="lease.granted"' in everything
