@@ -787,12 +787,28 @@ class Broker:
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
         who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
-        await self._commit(self._end(lease, "released", f"released by {who}"))
+        # Durable first: the lease keeps its room until its end is on disk, so a release the store
+        # refuses (STORE_FULL) leaves the lease as it was, and nothing was granted in its room meanwhile.
+        was = (lease.state, lease.ended_at, lease.reason)
+        writes = self._record_end(lease, "released", f"released by {who}")
+        try:
+            await self.store.commit(writes)
+        except BrokerError:
+            self._unrecord_end(lease, writes, was)
+            if (
+                lease.bind == "caller"
+                and lease.holder.pid is not None
+                and not holders.is_same_process(lease.holder.pid, lease.holder.start_time)
+            ):
+                self._holder_exited(lease.id)  # it died while the release was on its way: its pidfd found the lease ending
+            raise
+        self._free(lease)
+        self.budgets()  # computed again now, so the next request finds them ready
         return lease
 
     def _holder_exited(self, lease_id: str) -> None:
         lease = self.leases.get(lease_id)
-        if lease is not None:
+        if lease is not None and lease.live:  # not one whose release is on its way to disk
             writes = self._end(lease, "released", f"holder pid {lease.holder.pid} exited")
             self._spawn(self._commit_quietly(writes))
 
@@ -804,7 +820,7 @@ class Broker:
         """Expire every lease whose expiry has passed."""
         now = self.clock.now()
         writes: list[Write] = []
-        for lease in [x for x in self.leases.values() if x.expires_at <= now]:
+        for lease in [x for x in self.leases.values() if x.expires_at <= now and x.live]:
             writes += self._end(lease, "expired", f"not renewed before its expiry {rfc3339(lease.expires_at)}")
         if writes:
             self._spawn(self._commit_quietly(writes))
@@ -816,22 +832,14 @@ class Broker:
 
     def _end(self, lease: Lease, state: str, reason: str) -> list[Write]:
         """End a live lease in memory (its room is free at once) and return what makes that durable."""
+        writes = self._record_end(lease, state, reason)
+        self._free(lease)
+        return writes
+
+    def _record_end(self, lease: Lease, state: str, reason: str) -> list[Write]:
+        """Mark a lease ended, with its event and its place in the history; its room stays held until `_free`."""
         assert state in ENDED
-        now = self.clock.now()
-        if lease.gpus and any(reading.processes for reading in self.readings):
-            budgets = {b.reading.index: b for b in self.budgets()}
-            for gpu in lease.gpus:
-                budget = budgets.get(gpu.index)
-                if budget is not None and budget.usage.get(lease.id):
-                    pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
-                    self._reclaims.append(_Reclaim(lease.id, gpu.index, pids, now))
-        lease.state, lease.ended_at, lease.reason = state, now, reason
-        self._unhold(lease)
-        self.over_declared_ids.discard(lease.id)
-        if self._watch is not None:
-            self._watch.unwatch(lease.id)
-        if lease.pgids:
-            self._spawn(holders.stop_groups(list(lease.pgids), self.config.kill_grace))
+        lease.state, lease.ended_at, lease.reason = state, self.clock.now(), reason
         event = self._event(
             f"lease.{state}",
             f"lease {lease.id} ({lease.holder.name}) {state}: {reason}",
@@ -844,9 +852,31 @@ class Broker:
         record["_end"] = self._event_seq
         writes = [Write("leases", lease.id.encode()), Write("ended", key, record), event]
         self.ended[lease.id] = (key, lease)
-        writes += self._trim_history()
+        return writes + self._trim_history()
+
+    def _unrecord_end(self, lease: Lease, writes: list[Write], was: tuple[str, float | None, str | None]) -> None:
+        """Undo `_record_end` when its writes could not be made durable: the lease is live again, as on disk."""
+        lease.state, lease.ended_at, lease.reason = was
+        self.ended.pop(lease.id, None)
+        if not self._dropped:  # the history's deletes rode the failed commit: they are owed again
+            self._dropped = [w.key for w in writes if w.table == "ended" and w.value is None]
+
+    def _free(self, lease: Lease) -> None:
+        """Give an ended lease's room back, stop what it left running, and grant what waits for the room."""
+        if lease.gpus and any(reading.processes for reading in self.readings):
+            budgets = {b.reading.index: b for b in self.budgets()}
+            for gpu in lease.gpus:
+                budget = budgets.get(gpu.index)
+                if budget is not None and budget.usage.get(lease.id):
+                    pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
+                    self._reclaims.append(_Reclaim(lease.id, gpu.index, pids, lease.ended_at or self.clock.now()))
+        self._unhold(lease)
+        self.over_declared_ids.discard(lease.id)
+        if self._watch is not None:
+            self._watch.unwatch(lease.id)
+        if lease.pgids:
+            self._spawn(holders.stop_groups(list(lease.pgids), self.config.kill_grace))
         self._scan()
-        return writes
 
     def _trim_history(self) -> list[Write]:
         """Ended leases beyond leases_kept leave the history at once, and the store PRUNE_EVERY at a time.
@@ -901,7 +931,7 @@ class Broker:
         if state in (None, "queued"):
             out += [self.waiter_json(w) for w in self.waiters]
         if state in (None, LIVE):
-            out += [lease.to_json() for lease in self.leases.values()]
+            out += [lease.to_json() for lease in self.leases.values() if lease.live]  # a release on its way to disk is in the history
         if state is None or state in ENDED:
             out += [lease.to_json() for _, lease in reversed(self.ended.values()) if state in (None, lease.state)]
         return out[:limit]

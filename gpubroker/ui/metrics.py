@@ -53,7 +53,8 @@ class _BrokerCollector(Collector):
         leases = GaugeMetricFamily("gpubroker_leases", "leases by state and class", labels=["state", "priority"])
         counts: dict[tuple[str, str], int] = {(s, c): 0 for s in ("queued", "granted") for c in CLASSES}
         for lease in broker.leases.values():
-            counts["granted", lease.priority] += 1
+            if lease.live:  # not one whose release is on its way to disk
+                counts["granted", lease.priority] += 1
         for waiter in broker.waiters:
             counts["queued", waiter.request.priority] += 1
         for (state, priority), count in counts.items():

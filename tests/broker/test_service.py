@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -465,6 +466,30 @@ async def test_a_full_store_fails_requests_clearly_and_stays_readable(make_node:
     assert len(node.broker.leases) == len(granted)  # the refused grant left nothing behind
     await node.restart()
     assert sorted(node.broker.leases) == sorted(granted)
+
+
+async def test_a_release_the_full_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
+    node = await make_node(store_size=256 * 2**10, events_kept=50, leases_kept=10)
+    labels = {f"k{i}": "x" * 200 for i in range(30)}
+    tokens = {}
+    with contextlib.suppress(StoreFull):
+        for _ in range(200):
+            lease, token = await node.ask(cpu_cores=0, memory="1MiB", labels=labels)
+            tokens[lease["id"]] = token
+    refused = None
+    for lease_id, token in tokens.items():  # each release writes the lease into the history: one will not fit
+        try:
+            await node.broker.release(lease_id, TCP, token)
+        except StoreFull:
+            refused = lease_id, token
+            break
+    assert refused is not None, "every release fitted in the full store"
+    lease_id, token = refused
+    assert node.broker.get(lease_id)["state"] == "granted"
+    assert lease_id in [lease["id"] for lease in node.broker.list_leases("granted", 1000)]
+    assert node.broker.host_budget().leased_memory == len(node.broker.leases) * 2**20  # its room is still held
+    await node.restart()  # what the broker holds is what the disk holds
+    assert node.broker.get(lease_id)["state"] == "granted"
 
 
 async def test_a_waiting_request_whose_client_goes_away_is_cancelled(make_node: Callable[..., Any]) -> None:
