@@ -552,9 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         args.command = args.command[1:]
     try:
         code: int = args.run(args)
+        sys.stdout.flush()  # a reader gone away is met here, not in the interpreter's exit
     except ClientError as error:
         print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `gpubroker events | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE
     return code

@@ -93,6 +93,14 @@ def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cl
     events = cli("events")
     assert "lease.granted" in events.stdout
     assert "lease.released" in events.stdout
+    for listing in (["events"], ["leases", "--json"], ["status"]):  # `gpubroker events | head -1`, its reader gone at once
+        piped = subprocess.Popen(
+            [sys.executable, "-m", "gpubroker", *listing], env=broker.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        assert piped.stdout is not None
+        piped.stdout.close()
+        _, stderr = piped.communicate(timeout=30)
+        assert (piped.returncode, stderr) == (141, b""), listing
     held = cli("lease", "--gpu-memory", "10GiB", "--json")
     refused = cli("lease", "--gpu-memory", "20GiB")
     assert refused.returncode == 75

@@ -68,9 +68,9 @@ class Lease:
         return sum(g.bytes for g in self.gpus if g.index == index)
 
     def env(self) -> dict[str, str]:
-        env = {"GPUBROKER_LEASE": self.id}
+        # Empty without GPUs: work under a CPU-only lease sees no GPU, rather than every GPU it inherited.
+        env = {"GPUBROKER_LEASE": self.id, "CUDA_VISIBLE_DEVICES": ",".join(g.uuid for g in self.gpus)}
         if self.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in self.gpus)
             env["GPUBROKER_GPU_MEMORY"] = str(self.gpus[0].bytes)
         return env
 

@@ -117,6 +117,12 @@ async def test_a_request_beyond_schedulable_is_refused_naming_the_figures(make_n
     assert (await node.events("lease.refused"))[-1]["code"] == "INSUFFICIENT_SCHEDULABLE_VRAM"
 
 
+async def test_a_lease_without_gpus_hides_every_gpu_from_its_work(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    lease, _ = await node.ask(cpu_cores=1)
+    assert lease["env"] == {"CUDA_VISIBLE_DEVICES": "", "GPUBROKER_LEASE": lease["id"]}
+
+
 async def test_a_request_that_fits_is_granted_with_the_gpu_uuid_in_its_environment(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     node.probe.external(0, 6 * GIB)
