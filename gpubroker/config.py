@@ -78,6 +78,26 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _duration_from(least: float) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        seconds = parse_duration(value)
+        if seconds < least:
+            raise ValueError(f"{value!r} is under the least it may be, {least:g}s")
+        return seconds
+
+    return parse
+
+
+def _size_from(least: int, shown: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        size = parse_size(value)
+        if size < least:
+            raise ValueError(f"{value!r} is under the least it may be, {shown}")
+        return size
+
+    return parse
+
+
 def _peers(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
         raise ValueError(f"{value!r} is not a list of HOST:PORT")
@@ -123,10 +143,10 @@ SETTINGS: tuple[Setting, ...] = (
         "simulate_gpus", None, "simulated GPUs instead of NVML: a spec like 2x24GiB,1x12GiB or a TOML file re-read at every sample", str
     ),
     Setting("reserve", 2**30, "memory per GPU that is never leased: the safety margin", parse_size),
-    Setting("staleness", 5.0, "a GPU decision is never made on a reading older than this", parse_duration),
-    Setting("sample_interval", 1.0, "how often the GPUs are read", parse_duration),
+    Setting("staleness", 5.0, "a GPU decision is never made on a reading older than this (at least 100ms)", _duration_from(0.1)),
+    Setting("sample_interval", 1.0, "how often the GPUs are read (at least 100ms)", _duration_from(0.1)),
     Setting("queue_limit", 16, "waiting requests per class on this node; the next gets QUEUE_FULL", _positive_int),
-    Setting("default_ttl", 300.0, "a lease's lifetime unless the request gives a ttl", parse_duration),
+    Setting("default_ttl", 300.0, "a lease's lifetime unless the request gives a ttl (at least 1s, as a request's)", _duration_from(1.0)),
     Setting("kill_grace", 10.0, "after a holder dies, its process groups get SIGTERM, then SIGKILL after this", parse_duration),
     Setting("reclaim_grace", 10.0, "after a release, GPU memory still in use after this raises GPU_MEMORY_NOT_RECLAIMED", parse_duration),
     Setting("production_eligible", True, "whether this node serves production requests (else CAPABILITY_UNAVAILABLE)", _bool),
@@ -142,10 +162,15 @@ SETTINGS: tuple[Setting, ...] = (
         "the web UI's password as an scrypt hash from `gpubroker password`; needed to listen beyond loopback",
         _password_hash,
     ),
-    Setting("max_body", 64 * 2**10, "the largest request body accepted (larger gets 413)", parse_size),
+    Setting("max_body", 64 * 2**10, "the largest request body accepted (larger gets 413; at least 1KiB)", _size_from(2**10, "1KiB")),
     Setting("events_kept", 10_000, "events kept in the store; older ones are dropped", _positive_int),
     Setting("leases_kept", 1_000, "ended leases kept in the store for `leases --state released`", _positive_int),
-    Setting("store_size", 2**30, "the most the LMDB store may grow to; when full, requests fail with STORE_FULL", parse_size),
+    Setting(
+        "store_size",
+        2**30,
+        "the most the LMDB store may grow to; when full, requests fail with STORE_FULL (at least 1MiB)",
+        _size_from(2**20, "1MiB"),
+    ),
     Setting("gossip", "0.0.0.0:9741", "where the mesh listens, UDP and TCP (once this node belongs to a cluster)", _host_port),
     Setting("advertise", None, "the address peers should use to reach this node (default: the first non-loopback IPv4 address)", str),
     Setting("peers", (), "seed addresses HOST:PORT of other members, for networks where mDNS does not pass", _peers),
