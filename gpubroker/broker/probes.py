@@ -154,10 +154,17 @@ class SimulatedProbe:
         now = self._clock()
         readings = []
         for index, gpu in enumerate(gpus):
-            mine = tuple(GpuProcess(p.pid, p.name, p.used) for p in processes if p.gpu == index)
+            mine = tuple(_simulated_process(p) for p in processes if p.gpu == index)
             used = sum(p.used for p in processes if p.gpu == index)
             readings.append(GpuReading(index, gpu.uuid, gpu.name, gpu.memory, min(used, gpu.memory), now, mine))
         return readings
+
+
+def _simulated_process(process: _SimProcess) -> GpuProcess:
+    """A process of the simulation file; one that runs here is described as NVML's are, so a lease's
+    descendants and process groups own it as they would on a real GPU."""
+    _, pgid, ancestors = describe_process(process.pid)
+    return GpuProcess(process.pid, process.name, process.used, pgid, ancestors)
 
 
 @dataclass(frozen=True, slots=True)
