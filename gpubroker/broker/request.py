@@ -126,6 +126,8 @@ def parse_request(body: Any) -> LeaseRequest:
     if gpu_memory and not gpus:
         raise _invalid("gpus", "is 0 while gpu_memory is asked for")
     pin = body.get("gpu")
+    if isinstance(pin, str) and pin.isascii() and pin.isdigit() and len(pin) <= 3 and int(pin) < MAX_GPUS:
+        pin = int(pin)  # "1" is GPU 1, as the CLI's --gpu 1 is: no UUID is all digits
     if pin is not None:
         if isinstance(pin, bool) or not isinstance(pin, int | str) or (isinstance(pin, int) and not 0 <= pin < MAX_GPUS):
             raise _invalid("gpu", "must be a GPU index or UUID")

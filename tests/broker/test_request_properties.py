@@ -136,7 +136,9 @@ def assert_decoded_as_written(body: dict[str, Any], request: LeaseRequest) -> No
     assert request.gpu_memory == gpu_memory
     assert request.exclusive is exclusive
     assert request.gpus == body.get("gpus", 1 if (gpu_memory or exclusive) else 0)
-    assert request.gpu == body.get("gpu")
+    pin = body.get("gpu")
+    as_index = isinstance(pin, str) and pin.isascii() and pin.isdigit() and len(pin) <= 3 and int(pin) < MAX_GPUS
+    assert request.gpu == (int(pin) if as_index else pin)  # "1" is GPU 1
     assert request.cpu_cores == body.get("cpu_cores", 0)
     assert request.memory == (parse_size(body["memory"]) if "memory" in body else 0)
     assert request.priority == body.get("priority", "interactive")

@@ -117,6 +117,12 @@ async def test_a_request_beyond_schedulable_is_refused_naming_the_figures(make_n
     assert (await node.events("lease.refused"))[-1]["code"] == "INSUFFICIENT_SCHEDULABLE_VRAM"
 
 
+async def test_a_gpu_pinned_by_its_index_as_a_string_is_that_gpu(make_node: Callable[..., Any]) -> None:
+    node = await make_node(sizes=[24 * GIB, 24 * GIB])
+    lease, _ = await node.ask(gpu_memory="1GiB", gpu="1")
+    assert [gpu["index"] for gpu in lease["gpus"]] == [1]
+
+
 async def test_a_lease_without_gpus_hides_every_gpu_from_its_work(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, _ = await node.ask(cpu_cores=1)
