@@ -990,4 +990,5 @@ class Broker:
         for event in events:
             if not isinstance(event["time"], str):  # older stores hold the RFC 3339 form already
                 event["time"] = rfc3339(event["time"])
-        return events, events[-1]["seq"] if events else after
+        # past the newest, `next` is the newest: a client resuming from it misses nothing that comes later
+        return events, events[-1]["seq"] if events else min(after, self._event_seq)

@@ -76,6 +76,16 @@ def test_events_are_served_after_a_sequence_number(broker: BrokerProcess) -> Non
     assert {"seq", "time", "type", "message", "details", "node", "lease", "gpu"} <= set(event)
 
 
+def test_events_asked_for_past_the_newest_resume_from_the_newest(broker: BrokerProcess) -> None:
+    tcp = broker.client(tcp=True)
+    newest = tcp.call("GET", "/v1/events")["next"]
+    beyond = tcp.call("GET", "/v1/events", query={"after": newest + 1000})
+    assert beyond == {"events": [], "next": newest}  # not newest + 1000, which would skip what comes next
+    tcp.call("POST", "/v1/leases", {"gpu_memory": "1GiB"})
+    later = tcp.call("GET", "/v1/events", query={"after": beyond["next"]})["events"]  # the grant's event rode its commit
+    assert [e["type"] for e in later] == ["lease.granted"]
+
+
 def test_metrics_show_the_seven_figures_per_gpu_uuid_and_requests_by_result(broker: BrokerProcess) -> None:
     tcp = broker.client(tcp=True)
     tcp.call("POST", "/v1/leases", {"gpu_memory": "1GiB"})
