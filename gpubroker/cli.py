@@ -331,19 +331,29 @@ def cmd_release(args: argparse.Namespace) -> int:
     return 0
 
 
+EVENTS_PAGE = 1000
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     client = Client()
     after = args.after
+    listed: list[dict[str, Any]] = []  # --json without --follow: one document, as every listing
     while True:
-        answer = client.call("GET", "/v1/events", query={"after": after, "limit": 1000})
+        answer = client.call("GET", "/v1/events", query={"after": after, "limit": EVENTS_PAGE})
         for event in answer["events"]:
-            if args.json:
+            if args.json and not args.follow:
+                listed.append(event)
+            elif args.json:  # following: one JSON object per line, as each comes
                 print(json.dumps(event, sort_keys=True), flush=True)
             else:
                 code = f" {event['code']}" if event.get("code") else ""
                 print(f"{event['seq']:>6} {event['time']} {event['type']}{code}: {event['message']}", flush=True)
         after = answer["next"]
+        if len(answer["events"]) == EVENTS_PAGE:
+            continue  # more kept than one page: every one is printed, not the oldest thousand
         if not args.follow:
+            if args.json:
+                _print_json(listed)
             return 0
         time.sleep(1.0)
 

@@ -111,6 +111,24 @@ def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cl
     assert json.loads(held.stdout)["state"] == "granted"
 
 
+def test_events_lists_every_kept_event_and_as_json_one_document(broker_process: type[BrokerProcess]) -> None:
+    broker = broker_process("1x24GiB").start()
+    client = broker.client()
+    for _ in range(520):  # more events than one page of the API
+        lease = client.call("POST", "/v1/leases", {"cpu_cores": 1, "bind": "none"})["lease"]
+        client.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})
+    kept, after = [], 0
+    while page := client.call("GET", "/v1/events", query={"after": after, "limit": 1000})["events"]:
+        kept += [event["seq"] for event in page]
+        after = kept[-1]
+    assert len(kept) > 1000
+    run = [sys.executable, "-m", "gpubroker", "events"]
+    lines = subprocess.run(run, env=broker.env, capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    listed = json.loads(subprocess.run([*run, "--json"], env=broker.env, capture_output=True, text=True, timeout=30, check=True).stdout)
+    assert [event["seq"] for event in listed] == kept
+    assert len(lines) == len(kept)
+
+
 def test_a_broker_restarted_on_its_state_keeps_its_leases(broker_process: type[BrokerProcess]) -> None:
     broker = broker_process("1x24GiB").start()
     lease = broker.client().call("POST", "/v1/leases", {"gpu_memory": "4GiB", "bind": "none"})["lease"]
