@@ -781,7 +781,15 @@ class Broker:
         if waiter is not None:
             self.authorize(waiter, caller, token)
             self._drop_waiter(waiter)
-            waiter.granted.set_exception(Refusal(FailureCode.LEASE_TIMEOUT, f"request {lease_id} was cancelled", {"lease": lease_id}))
+            # LEASE_TIMEOUT is SPEC §3.6's code for a wait that ended without a grant; `cancelled` says how.
+            who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
+            waiter.granted.set_exception(
+                Refusal(
+                    FailureCode.LEASE_TIMEOUT,
+                    f"request {lease_id} was cancelled by {who} before it could be granted",
+                    {"lease": lease_id, "cancelled": True},
+                )
+            )
             waiter.granted.exception()  # retrieved: the waiting handler reports it
             raise NotFound(f"request {lease_id} was waiting and is now cancelled", {"lease": lease_id, "cancelled": True})
         lease = self._live(lease_id)

@@ -504,6 +504,22 @@ async def test_a_release_the_full_store_refuses_leaves_the_lease_as_it_was(make_
     assert node.broker.get(lease_id)["state"] == "granted"
 
 
+async def test_a_waiting_request_cancelled_by_its_id_tells_its_requester_who_cancelled_it(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    waiting = asyncio.create_task(node.ask(gpu_memory="15GiB", wait="1m"))
+    await settle()
+    (waiter,) = node.broker.waiters
+    with pytest.raises(NotFound) as answer:
+        await node.broker.release(waiter.id, Caller("unix", uid=0, pid=None), None)  # root
+    assert answer.value.details["cancelled"] is True
+    with pytest.raises(BrokerError) as told:
+        await waiting
+    assert told.value.code is FailureCode.LEASE_TIMEOUT
+    assert told.value.details["cancelled"] is True
+    assert "cancelled by uid 0 before it could be granted" in told.value.message
+
+
 async def test_a_waiting_request_whose_client_goes_away_is_cancelled(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     await node.ask(gpu_memory="20GiB")
