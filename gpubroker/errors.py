@@ -76,6 +76,7 @@ class BrokerError(Exception):
         self.code = code
         self.message = message
         self.details: dict[str, Any] = details or {}
+        self.recorded = False  # True once the broker has kept it as an event (a decision's refusal)
 
     @property
     def status(self) -> int:

@@ -499,6 +499,7 @@ class Broker:
 
     def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
         details = refusal.details
+        refusal.recorded = True
         self._record(
             self._event(
                 "lease.refused",
@@ -783,15 +784,17 @@ class Broker:
             self._drop_waiter(waiter)
             # LEASE_TIMEOUT is SPEC §3.6's code for a wait that ended without a grant; `cancelled` says how.
             who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
-            waiter.granted.set_exception(
-                Refusal(
-                    FailureCode.LEASE_TIMEOUT,
-                    f"request {lease_id} was cancelled by {who} before it could be granted",
-                    {"lease": lease_id, "cancelled": True},
-                )
+            self._record(self._event("lease.cancelled", f"request {lease_id} cancelled by {who}", lease=lease_id))
+            told = Refusal(
+                FailureCode.LEASE_TIMEOUT,
+                f"request {lease_id} was cancelled by {who} before it could be granted",
+                {"lease": lease_id, "cancelled": True},
             )
+            gone = NotFound(f"request {lease_id} was waiting and is now cancelled", {"lease": lease_id, "cancelled": True})
+            told.recorded = gone.recorded = True  # the lease.cancelled event says it for both
+            waiter.granted.set_exception(told)
             waiter.granted.exception()  # retrieved: the waiting handler reports it
-            raise NotFound(f"request {lease_id} was waiting and is now cancelled", {"lease": lease_id, "cancelled": True})
+            raise gone
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
         who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")

@@ -71,26 +71,58 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
             from gpubroker.ui import pages
 
             return pages.login_page(request, status=401)  # a person at a page gets the form to sign in
-        return _error(error)
+        return _refusal(request, error)
     except BrokerError as error:
-        return _error(error)
+        return _refusal(request, error)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[CONFIG].max_body
-        return _error(InvalidRequest(f"the request body is larger than {limit} bytes (max_body)", {"max_body": limit}, status=413))
+        return _refusal(
+            request, InvalidRequest(f"the request body is larger than {limit} bytes (max_body)", {"max_body": limit}, status=413)
+        )
     except web.HTTPNotFound:
-        return _error(NotFound(f"no such path: {request.path}", {"path": request.path}))
+        return _refusal(request, NotFound(f"no such path: {request.path}", {"path": request.path}))
     except web.HTTPMethodNotAllowed as error:
-        return _error(
+        return _refusal(
+            request,
             InvalidRequest(
                 f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(error.allowed_methods))}",
                 {"path": request.path},
                 status=405,
-            )
+            ),
         )
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return _error(InvalidRequest(f"{error.reason}", {"status": error.status}, status=error.status))
+        return _refusal(request, InvalidRequest(f"{error.reason}", {"status": error.status}, status=error.status))
+
+
+def _refusal(request: web.Request, error: BrokerError) -> web.Response:
+    """The one error shape; the refusal is kept as an event too (SPEC §3.6), unless the broker kept it already.
+
+    Only the API's and a foreign caller's: a browser's asking for a favicon or a page before signing in
+    is not an event.
+    """
+    if not error.recorded and (request.path.startswith("/v1/") or error.code is FailureCode.FORBIDDEN):
+        error.recorded = True
+        request.app[BROKER].record_event(
+            "request.refused",
+            _text(f"{request.method} {request.path}: {error.message}"),
+            code=error.code,
+            details=_text({**error.details, "method": request.method, "path": request.path}),
+        )
+    return _error(error)
+
+
+def _text(value: Any) -> Any:
+    """What a refused caller sent, fit to keep: a lone surrogate (from JSON's escapes or a header's bytes)
+    becomes its escape, since the store keeps UTF-8 and one bad string would fail every write beside it."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_text(k): _text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_text(v) for v in value]
+    return value
 
 
 def allowed_hosts(config: Config) -> frozenset[str]:
