@@ -81,6 +81,18 @@ def group_owners(pgid: int) -> set[int]:
     return owners
 
 
+def signalable_groups(pgids: list[int], uid: int | None) -> list[int]:
+    """The groups a lease held by `uid` may have signalled: they still have processes, none is the broker's
+    own, and for a holder other than root every process is the holder's (a pgid reused by anyone else is not)."""
+    own = os.getpgrp()
+    kept = []
+    for pgid in pgids:
+        owners = group_owners(pgid)
+        if pgid != own and owners and (uid in (None, 0) or owners == {uid}):
+            kept.append(pgid)
+    return kept
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -101,8 +113,12 @@ def signal_group(pgid: int, signum: int) -> bool:
     return False
 
 
-async def stop_groups(pgids: list[int], grace: float) -> None:
-    """SIGTERM each group, then SIGKILL what is left after `grace`: work never goes on without its lease."""
+async def stop_groups(pgids: list[int], grace: float, uid: int | None = None) -> None:
+    """SIGTERM each group, then SIGKILL what is left after `grace`: work never goes on without its lease.
+
+    Only the groups `signalable_groups` keeps for the holder's `uid`, looked at again now.
+    """
+    pgids = await asyncio.to_thread(signalable_groups, pgids, uid)
     alive = [pgid for pgid in pgids if signal_group(pgid, signal.SIGTERM)]
     waited = 0.0
     while alive and waited < grace:

@@ -176,6 +176,8 @@ class Broker:
         self._watch = holders.HolderWatch(asyncio.get_running_loop())
         self.store.start()
         writes = [Write("meta", b"node_id", self.node_id), *history]
+        for lease in [x for x in self.leases.values() if x.pgids]:
+            writes += await self._check_groups(lease)
         now = self.clock.now()
         for lease in list(self.leases.values()):
             if lease.expires_at <= now:
@@ -190,6 +192,28 @@ class Broker:
         )
         await self.store.commit(writes)
         await self.sample()
+
+    async def _check_groups(self, lease: Lease) -> list[Write]:
+        """At start, a stored lease keeps only the process groups its holder may have signalled now: a store
+        from an earlier broker may hold groups registered by a token alone, and a group that is gone may have
+        its id reused by anyone."""
+        uid = lease.holder.uid
+        kept = await asyncio.to_thread(holders.signalable_groups, lease.pgids, uid) if uid is not None else []
+        dropped = [pgid for pgid in lease.pgids if pgid not in kept]
+        if not dropped:
+            return []
+        lease.pgids = kept
+        self._changed(lease)
+        why = "its holder's uid is unknown" if uid is None else f"they are gone or not all uid {uid}'s"
+        return [
+            Write("leases", lease.id.encode(), lease.to_record()),
+            self._event(
+                "lease.groups_dropped",
+                f"lease {lease.id}: process groups {', '.join(map(str, dropped))} are no longer its own ({why})",
+                lease=lease.id,
+                details={"pgids": dropped, "kept": kept},
+            ),
+        ]
 
     def _saw_epochs(self, lease: Lease) -> None:
         """Epochs only grow: every stored lease, live or ended, bounds the counters from below.
@@ -886,7 +910,7 @@ class Broker:
         if self._watch is not None:
             self._watch.unwatch(lease.id)
         if lease.pgids:
-            self._spawn(holders.stop_groups(list(lease.pgids), self.config.kill_grace))
+            self._spawn(holders.stop_groups(list(lease.pgids), self.config.kill_grace, lease.holder.uid))
         self._scan()
 
     def _trim_history(self) -> list[Write]:

@@ -379,6 +379,64 @@ async def test_a_process_group_is_registered_only_by_a_uid_the_kernel_named_that
         work.wait()
 
 
+async def exited(process: subprocess.Popen[bytes], within: float = 5.0) -> bool:
+    for _ in range(int(within / 0.02)):
+        if process.poll() is not None:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_lease_ending_signals_only_groups_that_are_still_all_its_holders(make_node: Callable[..., Any]) -> None:
+    """A pgid is reused once its group is gone: a group of anyone but the holder is never signalled."""
+    node = await make_node()
+    root = Caller("unix", uid=0, pid=None)
+    other_uid = os.getuid() + 1
+    theirs, _ = await node.ask(Caller("unix", uid=other_uid, pid=os.getpid()), cpu_cores=1)
+    mine, my_token = await node.ask(Caller("unix", uid=os.getuid(), pid=os.getpid()), cpu_cores=1)
+    groups = [subprocess.Popen(["sleep", "30"], process_group=0) for _ in range(2)]  # this test's uid's
+    try:
+        await node.broker.register_group(theirs["id"], root, None, groups[0].pid)  # root may register any group
+        await node.broker.register_group(mine["id"], ME, my_token, groups[1].pid)
+        for lease in (theirs, mine):
+            await node.broker.release(lease["id"], root, None)
+        assert await exited(groups[1]), "the holder's own group is stopped with its lease"
+        assert not await exited(groups[0], within=0.5), f"a group of uid {os.getuid()} is not uid {other_uid}'s to lose"
+    finally:
+        for group in groups:
+            group.kill()
+            group.wait()
+
+
+async def test_groups_a_store_holds_are_kept_at_start_only_if_the_holder_may_still_have_them_signalled(
+    make_node: Callable[..., Any],
+) -> None:
+    node = await make_node()
+    root = Caller("unix", uid=0, pid=None)
+    by_token, _ = await node.ask(cpu_cores=1)  # over TCP: no uid the kernel named
+    mine, my_token = await node.ask(Caller("unix", uid=os.getuid(), pid=os.getpid()), cpu_cores=1)
+    groups = [subprocess.Popen(["sleep", "30"], process_group=0) for _ in range(3)]
+    try:
+        await node.broker.register_group(by_token["id"], root, None, groups[0].pid)
+        for group in groups[1:]:
+            await node.broker.register_group(mine["id"], ME, my_token, group.pid)
+        groups[2].kill()
+        groups[2].wait()  # gone: its id may be anyone's next
+        await node.restart()
+        assert node.broker.leases[by_token["id"]].pgids == []
+        assert node.broker.leases[mine["id"]].pgids == [groups[1].pid]
+        dropped = await node.events("lease.groups_dropped")
+        assert sorted((e["lease"], e["details"]["pgids"]) for e in dropped) == sorted(
+            [(by_token["id"], [groups[0].pid]), (mine["id"], [groups[2].pid])]
+        )
+        await node.restart()
+        assert node.broker.leases[mine["id"]].pgids == [groups[1].pid]  # what was dropped stays dropped
+    finally:
+        for group in groups:
+            group.kill()
+            group.wait()
+
+
 async def test_memory_still_used_after_release_is_reported_and_counts_as_external(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "trainer", "pid": 4242})
