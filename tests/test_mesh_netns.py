@@ -54,7 +54,7 @@ def test_three_brokers_join_with_tokens_share_figures_and_leases_and_hint_elsewh
 
     with pytest.raises(ClientError) as refused:
         b.client.call("POST", "/v1/leases", {"gpu_memory": "30GiB", "bind": "none"})
-    assert refused.value.code == "INSUFFICIENT_SCHEDULABLE_VRAM"
+    assert refused.value.code == "CAPABILITY_UNAVAILABLE"  # no GPU of node1 could ever hold it; node2's can
     elsewhere = refused.value.details["elsewhere"]
     assert [hint["name"] for hint in elsewhere] == ["node2"]
     assert elsewhere[0]["gpus"][0]["figures"]["schedulable"] >= 30 * GIB

@@ -45,7 +45,13 @@ class MeshSlot:
 
 MESH: web.AppKey[MeshSlot] = web.AppKey("mesh")
 STATES = ("queued", LIVE, *ENDED)
-ROOM_CODES = (FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, FailureCode.EXTERNAL_GPU_PRESSURE, FailureCode.LEASE_CONFLICT)
+# Refusals a peer may not have: no room here now, or no GPU here large enough (or enough GPUs) at all.
+ROOM_CODES = (
+    FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM,
+    FailureCode.EXTERNAL_GPU_PRESSURE,
+    FailureCode.LEASE_CONFLICT,
+    FailureCode.CAPABILITY_UNAVAILABLE,
+)
 _PEERCRED = struct.Struct("3i")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
