@@ -271,6 +271,8 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
             f"{' (signed-in UI, API token)' if config.ui_password_hash else ''}; state in {config.state_dir}",
             flush=True,
         )
+        if broker.start_warning is not None:
+            print(f"gpubroker: {broker.start_warning}", file=sys.stderr, flush=True)
 
     async def main() -> None:
         task = asyncio.current_task()

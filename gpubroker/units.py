@@ -114,3 +114,9 @@ def gib(size: int | None) -> str:
     if size is None:
         return "unmeasured"
     return f"{size / 2**30:.1f}"
+
+
+def utf8_text(text: str) -> str:
+    """Text fit to store and print: a lone surrogate (a name psutil read from bytes that are not UTF-8,
+    or a JSON escape) becomes its escape, since one such string would fail every write beside it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import psutil
 
+from gpubroker.units import utf8_text
+
 
 def start_time(pid: int) -> float | None:
     """When a process started (to tell it from a later process with the same pid); None if it is gone."""
@@ -21,7 +23,7 @@ def start_time(pid: int) -> float | None:
 
 def process_name(pid: int) -> str | None:
     try:
-        return psutil.Process(pid).name()
+        return utf8_text(psutil.Process(pid).name())  # a process may name itself with any bytes
     except psutil.Error:
         return None
 

@@ -28,7 +28,7 @@ from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeErro
 from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
 from gpubroker.config import CLASSES, Config
-from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal
+from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, StoreFull
 from gpubroker.units import gib, rfc3339
 
 RANK = {name: rank for rank, name in enumerate(CLASSES)}
@@ -138,6 +138,7 @@ class Broker:
         self.host = HostReading(1, 0)
         self.driver_error: str | None = None
         self.stats = Stats()
+        self.start_warning: str | None = None  # what `gpubroker up` should say beside "ready"
         self._lease_epoch = 0
         self._gpu_epochs: dict[str, int] = {}
         self._event_seq = 0
@@ -190,7 +191,10 @@ class Broker:
                 "broker.started", f"broker {self.config.name} started with {len(self.leases)} live leases", details={"version": __version__}
             )
         )
-        await self.store.commit(writes)
+        try:
+            await self.store.commit(writes)
+        except StoreFull as full:  # it still serves what it holds, and says why every change is refused
+            self.start_warning = full.message
         await self.sample()
 
     async def _check_groups(self, lease: Lease) -> list[Write]:

@@ -36,12 +36,13 @@ class Write:
     value: Any = None  # None: delete
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Batch:
     writes: list[Write]
     future: asyncio.Future[None] | None
     loop: asyncio.AbstractEventLoop | None = None
     while_syncing: Callable[[], None] | None = None
+    packed: list[bytes | None] = field(default_factory=list)  # the values as the writer packed them
 
 
 @dataclass(slots=True)
@@ -141,21 +142,36 @@ class Store:
                     stopping = True
                     break
                 batches.append(more)
-            error = self._write(batches)
+            unpackable = self._pack_all(batches)
+            if unpackable:
+                self._resolve(list(unpackable), None, unpackable)
+                batches = [batch for batch in batches if batch not in unpackable]
+            error = self._write(batches) if batches else None
             self._resolve(batches, error)
             if stopping:
                 return
+
+    def _pack_all(self, batches: list[_Batch]) -> dict[_Batch, Exception]:
+        """Pack every value before the transaction: a batch holding a value that cannot be packed fails
+        alone, and the batches beside it are written as if it had never come."""
+        unpackable: dict[_Batch, Exception] = {}
+        for batch in batches:
+            try:
+                batch.packed = [None if write.value is None else self._pack(write.value) for write in batch.writes]
+            except Exception as error:
+                unpackable[batch] = StoreFull(f"the state store could not be written: {type(error).__name__}: {error}", {})
+        return unpackable
 
     def _write(self, batches: list[_Batch]) -> Exception | None:
         try:
             with self._env.begin(write=True) as txn:
                 for batch in batches:
-                    for write in batch.writes:
+                    for write, value in zip(batch.writes, batch.packed, strict=True):
                         db = self._db[write.table]
-                        if write.value is None:
+                        if value is None:
                             txn.delete(write.key, db=db)
                         else:
-                            txn.put(write.key, self._pack(write.value), db=db)
+                            txn.put(write.key, value, db=db)
                             if write.table == "events":
                                 self._prune_events(txn, db, _KEY.unpack(write.key)[0])
                 # The commit below syncs without the GIL: the loop can work meanwhile (one wake-up for them all).
@@ -168,8 +184,8 @@ class Store:
                 "Raise store_size or release leases",
                 {"store_size": self._env.info()["map_size"]},
             )
-        except Exception as error:  # a disk fault or a value that cannot be packed: the writes did not happen,
-            # the callers hear so, and the writer lives on for the next batch.
+        except Exception as error:  # a disk fault: the writes did not happen, the callers hear so,
+            # and the writer lives on for the next batch.
             return StoreFull(f"the state store could not be written: {type(error).__name__}: {error}", {})
 
     def _prune_events(self, txn: lmdb.Transaction, db: Any, seq: int) -> None:
@@ -187,8 +203,15 @@ class Store:
             cursor.delete()
 
     @staticmethod
-    def _resolve(batches: list[_Batch], error: Exception | None) -> None:
-        _call_on_loops([(batch.loop, functools.partial(_settle, batch.future, error)) for batch in batches if batch.future is not None])
+    def _resolve(batches: list[_Batch], error: Exception | None, errors: dict[_Batch, Exception] | None = None) -> None:
+        """Settle each waiting future with `error`, or its own from `errors`, in one hand-over per loop."""
+        _call_on_loops(
+            [
+                (batch.loop, functools.partial(_settle, batch.future, errors.get(batch) if errors else error))
+                for batch in batches
+                if batch.future is not None
+            ]
+        )
 
 
 def _call_on_loops(calls: list[tuple[asyncio.AbstractEventLoop | None, Callable[[], None]]]) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import struct
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest
 from gpubroker.ui.auth import CHANGES, CSRF_FIELD, CSRF_HEADER, OPEN_PATHS, SESSION_COOKIE, Guard, Session, Sessions, is_loopback
 from gpubroker.ui.metrics import Metrics
 from gpubroker.ui.openapi import OPENAPI
-from gpubroker.units import UnitError, parse_duration
+from gpubroker.units import UnitError, parse_duration, utf8_text
 
 if TYPE_CHECKING:
     from gpubroker.gossip.mesh import Mesh
@@ -102,6 +103,33 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
         return _refusal(request, InvalidRequest(f"{error.reason}", {"status": error.status}, status=error.status))
 
 
+class RefusalBudget:
+    """At most RATE refusal events a second, in bursts of BURST: a flood of bad requests must not become a
+    flood of synced writes. Those not kept are counted, and the next one kept says how many."""
+
+    RATE = 20.0
+    BURST = 100.0
+
+    def __init__(self) -> None:
+        self.tokens = self.BURST
+        self.at = time.monotonic()
+        self.not_kept = 0
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.BURST, self.tokens + (now - self.at) * self.RATE)
+        self.at = now
+        if self.tokens < 1:
+            self.not_kept += 1
+            return False
+        self.tokens -= 1
+        return True
+
+
+REFUSALS = web.AppKey("refusals", RefusalBudget)
+MAX_KEPT = 256  # characters of any one string of a refused caller's kept in its event
+
+
 def _refusal(request: web.Request, error: BrokerError) -> web.Response:
     """The one error shape; the refusal is kept as an event too (SPEC §3.6), unless the broker kept it already.
 
@@ -110,20 +138,25 @@ def _refusal(request: web.Request, error: BrokerError) -> web.Response:
     """
     if not error.recorded and (request.path.startswith("/v1/") or error.code is FailureCode.FORBIDDEN):
         error.recorded = True
-        request.app[BROKER].record_event(
-            "request.refused",
-            _text(f"{request.method} {request.path}: {error.message}"),
-            code=error.code,
-            details=_text({**error.details, "method": request.method, "path": request.path}),
-        )
+        budget = request.app[REFUSALS]
+        if budget.take():
+            details = _text({**error.details, "method": request.method, "path": request.path})
+            if budget.not_kept:
+                details["not_kept_before"], budget.not_kept = budget.not_kept, 0
+            request.app[BROKER].record_event(
+                "request.refused",
+                _text(f"{request.method} {request.path}: {error.message}", 4 * MAX_KEPT),
+                code=error.code,
+                details=details,
+            )
     return _error(error)
 
 
-def _text(value: Any) -> Any:
-    """What a refused caller sent, fit to keep: a lone surrogate (from JSON's escapes or a header's bytes)
-    becomes its escape, since the store keeps UTF-8 and one bad string would fail every write beside it."""
+def _text(value: Any, limit: int = MAX_KEPT) -> Any:
+    """What a refused caller sent, fit to keep: each string cut to `limit` characters (its event must stay
+    small), a lone surrogate (from JSON's escapes or a header's bytes) written as its escape."""
     if isinstance(value, str):
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return utf8_text(value[:limit]) + ("…" if len(value) > limit else "")
     if isinstance(value, dict):
         return {_text(k): _text(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -456,6 +489,7 @@ def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None, guard: Guard |
     app[CONFIG_HOSTS] = allowed_hosts(config)
     app[GUARD] = guard or Guard(config.ui_password_hash, None, tls=False, sessions=Sessions())
     app[METRICS] = Metrics(broker)
+    app[REFUSALS] = RefusalBudget()
     app[MESH] = mesh if isinstance(mesh, MeshSlot) else MeshSlot(mesh)
     app.router.add_post("/v1/leases", create_lease)
     app.router.add_get("/v1/leases", list_leases)

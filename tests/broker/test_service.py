@@ -538,6 +538,20 @@ async def test_a_full_store_fails_requests_clearly_and_stays_readable(make_node:
     assert sorted(node.broker.leases) == sorted(granted)
 
 
+async def test_a_broker_whose_store_is_full_still_starts_and_serves_what_it_holds(make_node: Callable[..., Any]) -> None:
+    node = await make_node(store_size=256 * 2**10, events_kept=100_000)
+    lease, _ = await node.ask(cpu_cores=1)
+    with contextlib.suppress(StoreFull):
+        for i in range(100_000):  # small events until not even one more fits
+            await node.broker.store.commit([node.broker._event("test.filler", f"filler {i}")])
+    await node.restart()  # its start cannot even record that it started
+    assert node.broker.start_warning is not None
+    assert "store is full" in node.broker.start_warning
+    assert node.broker.get(lease["id"])["state"] == "granted"
+    with pytest.raises(StoreFull):
+        await node.ask(cpu_cores=1)
+
+
 async def test_a_release_the_full_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
     node = await make_node(store_size=256 * 2**10, events_kept=50, leases_kept=10)
     labels = {f"k{i}": "x" * 200 for i in range(30)}

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
+from gpubroker.errors import StoreFull
 
 
 def _put(i: int) -> list[Write]:
@@ -32,6 +33,26 @@ async def test_writes_handed_over_together_are_made_durable_in_one_group(tmp_pat
         assert {reopened.load().meta[f"k{i}"]["i"] for i in range(50)} == set(range(50))
     finally:
         reopened.stop()
+
+
+async def test_a_value_that_cannot_be_packed_fails_its_own_writes_and_no_others(tmp_path: Path) -> None:
+    store = Store(tmp_path, 16 * 2**20)
+    store.load()
+    before = store.commit(_put(1))
+    bad = store.commit([Write("meta", b"bad", {"name": "x\udcff"})])  # a lone surrogate: not UTF-8
+    after = store.commit(_put(2))
+    store.start()  # the writer takes all three into one transaction
+    try:
+        results = await asyncio.gather(before, bad, after, return_exceptions=True)
+        assert results[0] is None
+        assert results[2] is None
+        assert isinstance(results[1], StoreFull)
+        assert "could not be written" in results[1].message
+    finally:
+        store.stop()
+    reopened = Store(tmp_path, 16 * 2**20)
+    meta = reopened.load().meta
+    assert (meta["k1"], meta["k2"], "bad" in meta) == ({"i": 1}, {"i": 2}, False)
 
 
 async def test_a_call_made_while_syncing_that_fails_keeps_no_answer_from_being_given(tmp_path: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket as sockets
+import time
+from typing import Any
 
 import pytest
 from conftest import BrokerProcess
@@ -155,3 +157,64 @@ def test_host_and_origin_are_checked_on_tcp_only_as_the_kernel_names_a_socket_ca
         assert status(unix) == b"HTTP/1.1 201 Created"
     with sockets.create_connection(("127.0.0.1", broker.port)) as tcp:
         assert status(tcp) == b"HTTP/1.1 403 Forbidden"
+
+
+def _refusals(broker: BrokerProcess, count: int) -> list[dict[str, Any]]:
+    """The refusals kept, once `count` of them are on disk (they ride the writer's next commit)."""
+    client = broker.client()
+    deadline = time.monotonic() + 10
+    while True:
+        events = client.call("GET", "/v1/events", query={"after": 0, "limit": 1000})["events"]
+        kept = [e for e in events if e["type"] == "request.refused"]
+        if len(kept) >= count or time.monotonic() > deadline:
+            return kept
+        time.sleep(0.02)
+
+
+def _send(broker: BrokerProcess, method: str, path: str, raw: bytes | None = None, host: str = "localhost") -> tuple[int, str]:
+    """One request as bytes (no client library to tidy it), over TCP: its answer's status and error code."""
+    with sockets.create_connection(("127.0.0.1", broker.port)) as sock:
+        head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: {len(raw or b'')}\r\n"
+        sock.sendall(head.encode() + b"\r\n" + (raw or b""))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status = int(answer.split(b" ", 2)[1])
+    return status, json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"]
+
+
+def test_every_refusal_of_the_api_is_kept_as_an_event_with_its_code(broker: BrokerProcess) -> None:
+    refused = [
+        _send(broker, "POST", "/v1/leases", b"{"),
+        _send(broker, "DELETE", "/v1/leases/l-000000000000"),
+        _send(broker, "GET", "/v1/node", host="attacker.example"),
+        _send(broker, "PUT", "/v1/leases"),
+        _send(broker, "POST", "/v1/leases", json.dumps({"cpu_cores": 1, "x" * 5000: 1}).encode()),
+    ]
+    kept = _refusals(broker, len(refused))
+    assert [e["code"] for e in kept] == [code for _, code in refused]
+    assert [e["code"] for e in kept] == ["INVALID_REQUEST", "NOT_FOUND", "FORBIDDEN", "INVALID_REQUEST", "INVALID_REQUEST"]
+    assert kept[1]["details"]["path"] == "/v1/leases/l-000000000000"
+    assert kept[1]["message"].startswith("DELETE /v1/leases/l-000000000000: ")
+    assert len(kept[4]["details"]["field"]) == 257  # a caller's text is kept cut short: 256 and an ellipsis
+    assert len(kept[4]["message"]) < 1100
+
+
+def test_a_refusal_of_text_that_is_not_utf_8_is_kept_as_its_escapes(broker: BrokerProcess) -> None:
+    status, _ = _send(broker, "POST", "/v1/leases", b'{"cpu_cores": 1, "\\ud800": 1}')  # a lone surrogate, as JSON escapes it
+    assert status == 400
+    (kept,) = _refusals(broker, 1)
+    assert kept["details"]["field"] == "\\ud800"
+
+
+def test_a_flood_of_refusals_is_kept_at_a_bounded_rate_and_counted(broker: BrokerProcess) -> None:
+    for _ in range(300):
+        _send(broker, "DELETE", "/v1/leases/l-000000000000")
+    time.sleep(0.2)  # the budget refills: the next refusal is kept, and says how many were not
+    _send(broker, "DELETE", "/v1/leases/l-000000000001")
+    deadline = time.monotonic() + 10
+    while (kept := _refusals(broker, 1))[-1]["details"]["path"] != "/v1/leases/l-000000000001":
+        assert time.monotonic() < deadline, "the last refusal was not kept"
+        time.sleep(0.02)
+    assert 100 <= len(kept) < 300
+    assert len(kept) + sum(e["details"].get("not_kept_before", 0) for e in kept) == 301  # every one kept or counted

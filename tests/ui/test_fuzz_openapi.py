@@ -417,52 +417,6 @@ def test_a_malformed_body_is_an_invalid_request(api: Api, held: dict[str, Any], 
     assert api.snapshot() == before
 
 
-def _newest_seq(api: Api) -> int:
-    """The newest event's seq once every refusal sent before is on disk: a grant is answered only after
-    the writer, first in first out, has committed everything handed to it earlier."""
-    api.release(api.lease())
-    seq: int = api.send("GET", "/v1/events", params={"after": 0, "limit": 1}).json()["next"]
-    while page := api.send("GET", "/v1/events", params={"after": seq, "limit": 1000}).json()["events"]:
-        seq = page[-1]["seq"]
-    return seq
-
-
-def _refusals_after(api: Api, seq: int, count: int) -> list[dict[str, Any]]:
-    """The refusals kept after `seq`, once `count` of them are on disk (they ride the writer's next commit)."""
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        events = api.send("GET", "/v1/events", params={"after": seq, "limit": 1000}).json()["events"]
-        kept = [e for e in events if e["type"] == "request.refused"]
-        if len(kept) >= count or time.monotonic() > deadline:
-            return kept
-        time.sleep(0.02)
-
-
-def test_every_refusal_of_the_api_is_kept_as_an_event_with_its_code(api: Api, held: dict[str, Any]) -> None:
-    seq = _newest_seq(api)
-    refused = [
-        api.send("POST", "/v1/leases", raw=b"{"),
-        api.send("DELETE", "/v1/leases/l-000000000000"),
-        api.send("DELETE", f"/v1/leases/{held['id']}", headers={"X-Lease-Token": "wrong"}),
-        api.send("PUT", "/v1/leases"),
-    ]
-    kept = _refusals_after(api, seq, len(refused))
-    assert [e["code"] for e in kept] == [answer.json()["error"]["code"] for answer in refused]
-    assert [e["code"] for e in kept] == ["INVALID_REQUEST", "NOT_FOUND", "FORBIDDEN", "INVALID_REQUEST"]
-    assert kept[1]["details"]["path"] == "/v1/leases/l-000000000000"
-    assert kept[1]["message"].startswith("DELETE /v1/leases/l-000000000000: ")
-
-
-def test_a_refusal_of_text_that_is_not_utf_8_is_kept_and_takes_nothing_down_with_it(api: Api) -> None:
-    seq = _newest_seq(api)
-    answer = api.send("POST", "/v1/leases", raw=b'{"cpu_cores": 1, "\\ud800": 1}')  # a lone surrogate, as JSON escapes it
-    assert answer.status_code == 400, answer.text
-    (kept,) = _refusals_after(api, seq, 1)
-    assert kept["details"]["field"] == "\\ud800"  # its escape: the store keeps UTF-8
-    lease = api.lease()  # the store still writes
-    api.release(lease)
-
-
 def test_a_body_over_max_body_is_refused_with_413(api: Api, held: dict[str, Any]) -> None:
     before = api.snapshot()
     huge = json.dumps({"cpu_cores": 1, "labels": {"pad": "x" * (64 * 2**10)}}).encode()
