@@ -829,21 +829,35 @@ class Broker:
         # Durable first: the lease keeps its room until its end is on disk, so a release the store
         # refuses (STORE_FULL) leaves the lease as it was, and nothing was granted in its room meanwhile.
         was = (lease.state, lease.ended_at, lease.reason)
-        writes = self._record_end(lease, "released", f"released by {who}")
+        commit = self.store.commit(self._record_end(lease, "released", f"released by {who}"))
         try:
-            await self.store.commit(writes)
-        except BrokerError:
-            self._unrecord_end(lease, writes, was)
-            if (
-                lease.bind == "caller"
-                and lease.holder.pid is not None
-                and not holders.is_same_process(lease.holder.pid, lease.holder.start_time)
-            ):
-                self._holder_exited(lease.id)  # it died while the release was on its way: its pidfd found the lease ending
+            await asyncio.shield(commit)
+        except asyncio.CancelledError:  # the caller went away: the release still lands, or fails, as the disk says
+            commit.add_done_callback(lambda landed: self._released(lease, was, landed))
             raise
-        self._free(lease)
+        except BrokerError:
+            self._released(lease, was, commit)
+            raise
+        self._released(lease, was, commit)
         self.budgets()  # computed again now, so the next request finds them ready
         return lease
+
+    def _released(self, lease: Lease, was: tuple[str, float | None, str | None], commit: asyncio.Future[None]) -> None:
+        """A release's commit is done: free its room, or, if the store refused it, make the lease live again."""
+        if not commit.cancelled() and commit.exception() is None:
+            self._free(lease)
+            history = self._trim_history()  # after the release, not in it: a refused release leaves the history whole
+            if history:
+                self.store.submit(history)
+            return
+        lease.state, lease.ended_at, lease.reason = was
+        self.ended.pop(lease.id, None)
+        if (
+            lease.bind == "caller"
+            and lease.holder.pid is not None
+            and not holders.is_same_process(lease.holder.pid, lease.holder.start_time)
+        ):
+            self._holder_exited(lease.id)  # it died while the release was on its way: its pidfd found the lease ending
 
     def _holder_exited(self, lease_id: str) -> None:
         lease = self.leases.get(lease_id)
@@ -871,7 +885,7 @@ class Broker:
 
     def _end(self, lease: Lease, state: str, reason: str) -> list[Write]:
         """End a live lease in memory (its room is free at once) and return what makes that durable."""
-        writes = self._record_end(lease, state, reason)
+        writes = self._record_end(lease, state, reason) + self._trim_history()
         self._free(lease)
         return writes
 
@@ -889,16 +903,8 @@ class Broker:
         key = seq_key(self._event_seq)
         record = lease.to_record()
         record["_end"] = self._event_seq
-        writes = [Write("leases", lease.id.encode()), Write("ended", key, record), event]
         self.ended[lease.id] = (key, lease)
-        return writes + self._trim_history()
-
-    def _unrecord_end(self, lease: Lease, writes: list[Write], was: tuple[str, float | None, str | None]) -> None:
-        """Undo `_record_end` when its writes could not be made durable: the lease is live again, as on disk."""
-        lease.state, lease.ended_at, lease.reason = was
-        self.ended.pop(lease.id, None)
-        if not self._dropped:  # the history's deletes rode the failed commit: they are owed again
-            self._dropped = [w.key for w in writes if w.table == "ended" and w.value is None]
+        return [Write("leases", lease.id.encode()), Write("ended", key, record), event]
 
     def _free(self, lease: Lease) -> None:
         """Give an ended lease's room back, stop what it left running, and grant what waits for the room."""

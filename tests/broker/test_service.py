@@ -538,6 +538,21 @@ async def test_a_full_store_fails_requests_clearly_and_stays_readable(make_node:
     assert sorted(node.broker.leases) == sorted(granted)
 
 
+async def test_a_release_whose_caller_goes_away_mid_commit_still_frees_the_room(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    lease, token = await node.ask(gpu_memory="20GiB")
+    release = asyncio.create_task(node.broker.release(lease["id"], TCP, token))
+    await asyncio.sleep(0)  # handed to the writer
+    release.cancel()
+    await asyncio.gather(release, return_exceptions=True)
+    await settle()
+    assert node.broker.get(lease["id"])["state"] == "released"
+    assert lease["id"] not in node.broker.leases
+    assert node.gpu()["figures"]["leased"] == 0
+    again, _ = await node.ask(gpu_memory="20GiB")
+    assert again["state"] == "granted"
+
+
 async def test_a_broker_whose_store_is_full_still_starts_and_serves_what_it_holds(make_node: Callable[..., Any]) -> None:
     node = await make_node(store_size=256 * 2**10, events_kept=100_000)
     lease, _ = await node.ask(cpu_cores=1)
@@ -700,7 +715,7 @@ async def test_events_an_older_broker_wrote_are_served_as_they_were_written(make
     assert (found[-1]["type"], found[-1]["time"]) == ("broker.started", rfc3339(node.clock.now()))
 
 
-async def test_the_budgets_a_release_changes_are_computed_again_while_it_syncs(make_node: Callable[..., Any]) -> None:
+async def test_the_budgets_a_release_changes_are_computed_again_before_it_is_answered(make_node: Callable[..., Any]) -> None:
     node = await make_node(sizes=[24 * GIB, 24 * GIB])
     lease, token = await node.ask(gpu_memory="10GiB")
     index = lease["gpus"][0]["index"]
