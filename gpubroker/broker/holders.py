@@ -83,16 +83,11 @@ def group_owners(pgid: int) -> set[int]:
     return owners
 
 
-def signalable_groups(pgids: list[int], uid: int | None) -> list[int]:
-    """The groups a lease held by `uid` may have signalled: they still have processes, none is the broker's
-    own, and for a holder other than root every process is the holder's (a pgid reused by anyone else is not)."""
+def signalable_groups(pgids: list[int], uids: list[int]) -> list[int]:
+    """The groups still as they were registered: they have processes, every one of them is the uid's that
+    owned the group then, and none is the broker's (a group id reused by anyone else is left alone)."""
     own = os.getpgrp()
-    kept = []
-    for pgid in pgids:
-        owners = group_owners(pgid)
-        if pgid != own and owners and (uid in (None, 0) or owners == {uid}):
-            kept.append(pgid)
-    return kept
+    return [pgid for pgid, uid in zip(pgids, uids, strict=False) if pgid != own and group_owners(pgid) == {uid}]
 
 
 def group_alive(pgid: int) -> bool:
@@ -115,17 +110,18 @@ def signal_group(pgid: int, signum: int) -> bool:
     return False
 
 
-async def stop_groups(pgids: list[int], grace: float, uid: int | None = None) -> None:
+async def stop_groups(pgids: list[int], uids: list[int], grace: float) -> None:
     """SIGTERM each group, then SIGKILL what is left after `grace`: work never goes on without its lease.
 
-    Only the groups `signalable_groups` keeps for the holder's `uid`, looked at again now.
+    Only groups still as they were registered (`signalable_groups`), looked at again before each signal.
     """
-    pgids = await asyncio.to_thread(signalable_groups, pgids, uid)
-    alive = [pgid for pgid in pgids if signal_group(pgid, signal.SIGTERM)]
+    alive = [pgid for pgid in await asyncio.to_thread(signalable_groups, pgids, uids) if signal_group(pgid, signal.SIGTERM)]
+    owner = dict(zip(pgids, uids, strict=False))
     waited = 0.0
     while alive and waited < grace:
         await asyncio.sleep(min(0.1, grace - waited))
         waited += 0.1
         alive = [pgid for pgid in alive if group_alive(pgid)]
-    for pgid in alive:
-        signal_group(pgid, signal.SIGKILL)
+    if alive:
+        for pgid in await asyncio.to_thread(signalable_groups, alive, [owner[pgid] for pgid in alive]):
+            signal_group(pgid, signal.SIGKILL)

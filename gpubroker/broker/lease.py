@@ -57,6 +57,7 @@ class Lease:
     expires_at: float
     ttl: float
     pgids: list[int] = field(default_factory=list)  # process groups registered with the lease
+    pgid_uids: list[int] = field(default_factory=list)  # the uid that owned each group when it was registered
     ended_at: float | None = None
     reason: str | None = None
 
@@ -116,7 +117,7 @@ class Lease:
             "gpus": [{"index": g.index, "uuid": g.uuid, "bytes": g.bytes, "epoch": g.epoch} for g in self.gpus],
             "exclusive": self.exclusive, "cpu_cores": self.cpu_cores, "memory": self.memory, "labels": self.labels,
             "token_hash": self.token_hash, "requested_at": self.requested_at, "granted_at": self.granted_at,
-            "expires_at": self.expires_at, "ttl": self.ttl, "pgids": list(self.pgids), "ended_at": self.ended_at,
+            "expires_at": self.expires_at, "ttl": self.ttl, "pgids": list(self.pgids), "pgid_uids": list(self.pgid_uids), "ended_at": self.ended_at,
             "reason": self.reason,
         }  # fmt: skip
 

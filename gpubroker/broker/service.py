@@ -198,17 +198,18 @@ class Broker:
         await self.sample()
 
     async def _check_groups(self, lease: Lease) -> list[Write]:
-        """At start, a stored lease keeps only the process groups its holder may have signalled now: a store
-        from an earlier broker may hold groups registered by a token alone, and a group that is gone may have
-        its id reused by anyone."""
-        uid = lease.holder.uid
-        kept = await asyncio.to_thread(holders.signalable_groups, lease.pgids, uid) if uid is not None else []
+        """At start, a stored lease keeps only the process groups still as they were registered: a store from
+        an earlier broker may hold groups taken on a token alone (no owner recorded), and a group that is
+        gone may have its id reused by anyone."""
+        known = len(lease.pgid_uids) == len(lease.pgids)
+        kept = await asyncio.to_thread(holders.signalable_groups, lease.pgids, lease.pgid_uids) if known else []
         dropped = [pgid for pgid in lease.pgids if pgid not in kept]
         if not dropped:
             return []
-        lease.pgids = kept
+        owner = dict(zip(lease.pgids, lease.pgid_uids, strict=False))
+        lease.pgids, lease.pgid_uids = kept, [owner[pgid] for pgid in kept]
         self._changed(lease)
-        why = "its holder's uid is unknown" if uid is None else f"they are gone or not all uid {uid}'s"
+        why = "registered with no owner recorded" if not known else "gone, or no longer all their owner's"
         return [
             Write("leases", lease.id.encode(), lease.to_record()),
             self._event(
@@ -781,25 +782,29 @@ class Broker:
         self.authorize(lease, caller, token)
         if pgid == os.getpgrp():
             raise Forbidden(f"process group {pgid} is the broker's own", {"pgid": pgid})
+        # The broker signals a lease's groups when it ends: a token alone must not let anyone have
+        # another user's processes killed. Only a uid the kernel named on the Unix socket is trusted.
+        if caller.transport != "unix" or caller.uid is None:
+            raise Forbidden(
+                f"process group {pgid} can be registered only on the Unix socket, where the kernel names the caller", {"pgid": pgid}
+            )
         owners = await asyncio.to_thread(holders.group_owners, pgid)
         if not owners:
             raise InvalidRequest(f"process group {pgid} does not exist", {"field": "pgid"})
-        # The broker signals a lease's groups when it ends: a token alone must not let anyone have
-        # another user's processes killed. Only a uid the kernel named may be trusted here.
-        uid = caller.uid if caller.transport == "unix" else lease.holder.uid
-        if uid is None:
+        uids = ", ".join(map(str, sorted(owners)))
+        if len(owners) > 1:
             raise Forbidden(
-                f"process group {pgid} can be registered only on the Unix socket, or to a lease granted there: over TCP nobody names the caller",
-                {"pgid": pgid},
+                f"process group {pgid} has processes of uids {uids}; a group is registered only when one uid owns it all", {"pgid": pgid}
             )
-        if uid != 0 and owners != {uid}:
+        (owner,) = owners
+        if caller.uid not in (0, owner):
             raise Forbidden(
-                f"process group {pgid} has processes of uid {', '.join(map(str, sorted(owners)))}; uid {uid} may register only its own",
-                {"pgid": pgid, "uids": sorted(owners)},
+                f"process group {pgid} is uid {uids}'s; uid {caller.uid} may register only its own", {"pgid": pgid, "uids": [owner]}
             )
         lease = self._live(lease_id)  # it may have ended while the processes were read
         if pgid not in lease.pgids:
             lease.pgids.append(pgid)
+            lease.pgid_uids.append(owner)  # at its end it is signalled only if still this uid's
             self._changed(lease)  # its processes on its accelerators are now its own
             await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
         return lease
@@ -920,7 +925,7 @@ class Broker:
         if self._watch is not None:
             self._watch.unwatch(lease.id)
         if lease.pgids:
-            self._spawn(holders.stop_groups(list(lease.pgids), self.config.kill_grace, lease.holder.uid))
+            self._spawn(holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), self.config.kill_grace))
         self._scan()
 
     def _trim_history(self) -> list[Write]:

@@ -8,7 +8,7 @@ def test_a_lease_record_keeps_every_field_and_reads_back_equal() -> None:
         id="l-1", node="n-1", state="granted", epoch=7, priority="background", preemption="drain", bind="caller",
         holder=Holder("train", 42, 1000, 123.5), gpus=[LeasedGpu(0, "GPU-0", 2**30, 3)], exclusive=False,
         cpu_cores=2, memory=2**20, labels={"a": "b"}, token_hash=hash_token("t"), requested_at=1.0,
-        granted_at=2.0, expires_at=3.0, ttl=1.0, pgids=[42],
+        granted_at=2.0, expires_at=3.0, ttl=1.0, pgids=[42], pgid_uids=[1000],
     )  # fmt: skip
     record = lease.to_record()
     assert record == asdict(lease)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from fakes import GIB, FakeClock, FakeGpuProbe
 
+from gpubroker.broker import holders
 from gpubroker.broker.probes import GpuProcess
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
@@ -379,55 +380,38 @@ async def test_a_process_group_is_registered_only_by_a_uid_the_kernel_named_that
         work.wait()
 
 
-async def exited(process: subprocess.Popen[bytes], within: float = 5.0) -> bool:
-    for _ in range(int(within / 0.02)):
-        if process.poll() is not None:
-            return True
-        await asyncio.sleep(0.02)
-    return False
-
-
-async def test_a_lease_ending_signals_only_groups_that_are_still_all_its_holders(make_node: Callable[..., Any]) -> None:
-    """A pgid is reused once its group is gone: a group of anyone but the holder is never signalled."""
-    node = await make_node()
-    root = Caller("unix", uid=0, pid=None)
-    other_uid = os.getuid() + 1
-    theirs, _ = await node.ask(Caller("unix", uid=other_uid, pid=os.getpid()), cpu_cores=1)
-    mine, my_token = await node.ask(Caller("unix", uid=os.getuid(), pid=os.getpid()), cpu_cores=1)
-    groups = [subprocess.Popen(["sleep", "30"], process_group=0) for _ in range(2)]  # this test's uid's
+def test_a_group_is_signalled_only_while_it_is_all_the_uid_s_that_owned_it_when_registered() -> None:
+    """A group id is reused once its group is gone: a group of anyone but its registered owner is left alone."""
+    work = subprocess.Popen(["sleep", "30"], process_group=0)
     try:
-        await node.broker.register_group(theirs["id"], root, None, groups[0].pid)  # root may register any group
-        await node.broker.register_group(mine["id"], ME, my_token, groups[1].pid)
-        for lease in (theirs, mine):
-            await node.broker.release(lease["id"], root, None)
-        assert await exited(groups[1]), "the holder's own group is stopped with its lease"
-        assert not await exited(groups[0], within=0.5), f"a group of uid {os.getuid()} is not uid {other_uid}'s to lose"
+        assert holders.signalable_groups([work.pid], [os.getuid()]) == [work.pid]
+        assert holders.signalable_groups([work.pid], [os.getuid() + 1]) == []
+        assert holders.signalable_groups([os.getpgrp()], [os.getuid()]) == []  # never the broker's own
     finally:
-        for group in groups:
-            group.kill()
-            group.wait()
+        work.kill()
+        work.wait()
+    assert holders.signalable_groups([work.pid], [os.getuid()]) == []  # gone
 
 
-async def test_groups_a_store_holds_are_kept_at_start_only_if_the_holder_may_still_have_them_signalled(
-    make_node: Callable[..., Any],
-) -> None:
+async def test_groups_a_store_holds_are_kept_at_start_only_if_still_as_they_were_registered(make_node: Callable[..., Any]) -> None:
     node = await make_node()
-    root = Caller("unix", uid=0, pid=None)
-    by_token, _ = await node.ask(cpu_cores=1)  # over TCP: no uid the kernel named
+    earlier, _ = await node.ask(cpu_cores=1)
     mine, my_token = await node.ask(Caller("unix", uid=os.getuid(), pid=os.getpid()), cpu_cores=1)
     groups = [subprocess.Popen(["sleep", "30"], process_group=0) for _ in range(3)]
     try:
-        await node.broker.register_group(by_token["id"], root, None, groups[0].pid)
+        old = node.broker.leases[earlier["id"]]  # as an earlier broker kept it: a group and no owner
+        old.pgids.append(groups[0].pid)
+        await node.broker.store.commit([Write("leases", old.id.encode(), old.to_record())])
         for group in groups[1:]:
             await node.broker.register_group(mine["id"], ME, my_token, group.pid)
         groups[2].kill()
         groups[2].wait()  # gone: its id may be anyone's next
         await node.restart()
-        assert node.broker.leases[by_token["id"]].pgids == []
-        assert node.broker.leases[mine["id"]].pgids == [groups[1].pid]
+        assert node.broker.leases[earlier["id"]].pgids == []
+        assert (node.broker.leases[mine["id"]].pgids, node.broker.leases[mine["id"]].pgid_uids) == ([groups[1].pid], [os.getuid()])
         dropped = await node.events("lease.groups_dropped")
         assert sorted((e["lease"], e["details"]["pgids"]) for e in dropped) == sorted(
-            [(by_token["id"], [groups[0].pid]), (mine["id"], [groups[2].pid])]
+            [(earlier["id"], [groups[0].pid]), (mine["id"], [groups[2].pid])]
         )
         await node.restart()
         assert node.broker.leases[mine["id"]].pgids == [groups[1].pid]  # what was dropped stays dropped
