@@ -268,4 +268,10 @@ def load_config(path: Path | None = None, **overrides: Any) -> Config:
     for name, value in overrides.items():
         if value is not None:
             values[name] = _parse_setting(name, value)
-    return replace(Config(), **values)
+    config = replace(Config(), **values)
+    if config.staleness <= config.sample_interval:
+        raise ConfigError(
+            f"staleness ({config.staleness:g}s) must be longer than sample_interval ({config.sample_interval:g}s): "
+            "a GPU decision needs a reading younger than staleness, and readings come every sample_interval"
+        )
+    return config
