@@ -143,7 +143,12 @@ SETTINGS: tuple[Setting, ...] = (
         "simulate_gpus", None, "simulated GPUs instead of NVML: a spec like 2x24GiB,1x12GiB or a TOML file re-read at every sample", str
     ),
     Setting("reserve", 2**30, "memory per GPU that is never leased: the safety margin", parse_size),
-    Setting("staleness", 5.0, "a GPU decision is never made on a reading older than this (at least 100ms)", _duration_from(0.1)),
+    Setting(
+        "staleness",
+        5.0,
+        "a GPU decision is never made on a reading older than this (at least 100ms, and longer than sample_interval)",
+        _duration_from(0.1),
+    ),
     Setting("sample_interval", 1.0, "how often the GPUs are read (at least 100ms)", _duration_from(0.1)),
     Setting("queue_limit", 16, "waiting requests per class on this node; the next gets QUEUE_FULL", _positive_int),
     Setting("default_ttl", 300.0, "a lease's lifetime unless the request gives a ttl (at least 1s, as a request's)", _duration_from(1.0)),
