@@ -122,6 +122,31 @@ class Stats:
             self.grant_seconds += seconds
 
 
+class RefusalBudget:
+    """At most RATE refusal events a second, in bursts of BURST, the broker's and the API's together: a flood
+    of bad requests must not become a flood of synced writes. Those not kept are counted, and the next one
+    kept says how many (`details.not_kept_before`)."""
+
+    RATE = 20.0
+    BURST = 100.0
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+        self.tokens = self.BURST
+        self.at = now()
+        self.not_kept = 0
+
+    def take(self) -> bool:
+        now = self._now()
+        self.tokens = min(self.BURST, self.tokens + max(0.0, now - self.at) * self.RATE)
+        self.at = now
+        if self.tokens < 1:
+            self.not_kept += 1
+            return False
+        self.tokens -= 1
+        return True
+
+
 class Broker:
     def __init__(self, config: Config, store: Store, probe: GpuProbe, clock: Clock | None = None, node_id: str | None = None) -> None:
         self.config = config
@@ -138,6 +163,7 @@ class Broker:
         self.host = HostReading(1, 0)
         self.driver_error: str | None = None
         self.stats = Stats()
+        self.refusals = RefusalBudget(self.clock.now)
         self.start_warning: str | None = None  # what `gpubroker up` should say beside "ready"
         self._lease_epoch = 0
         self._gpu_epochs: dict[str, int] = {}
@@ -243,7 +269,10 @@ class Broker:
             if not waiter.granted.done():
                 waiter.granted.cancel()
         self.waiters.clear()
-        if self._tasks:
+        if self.store.running:  # a barrier: every commit handed over earlier is settled, its follow-up run
+            with contextlib.suppress(BrokerError):
+                await self.store.commit([])
+        while self._tasks:  # and what those spawned (a lease's groups being stopped), until none is left
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._watch is not None:
             self._watch.close()
@@ -529,15 +558,12 @@ class Broker:
     def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
         details = refusal.details
         refusal.recorded = True
-        self._record(
-            self._event(
-                "lease.refused",
-                refusal.message,
-                code=refusal.code,
-                gpu=details.get("gpu") if isinstance(details.get("gpu"), str) else None,
-                details={**details, "priority": request.priority},
-            )
-        )
+        if self.refusals.take():
+            kept = {**details, "priority": request.priority}
+            if self.refusals.not_kept:
+                kept["not_kept_before"], self.refusals.not_kept = self.refusals.not_kept, 0
+            gpu = details.get("gpu") if isinstance(details.get("gpu"), str) else None
+            self._record(self._event("lease.refused", refusal.message, code=refusal.code, gpu=gpu, details=kept))
         return refusal
 
     def _grant(self, waiter: Waiter, placement: Placement) -> tuple[Lease, str, list[Write]]:
@@ -802,11 +828,13 @@ class Broker:
                 f"process group {pgid} is uid {uids}'s; uid {caller.uid} may register only its own", {"pgid": pgid, "uids": [owner]}
             )
         lease = self._live(lease_id)  # it may have ended while the processes were read
-        if pgid not in lease.pgids:
+        if pgid in lease.pgids:  # registered again: by its owner now (its id may have been reused since)
+            lease.pgid_uids[lease.pgids.index(pgid)] = owner
+        else:
             lease.pgids.append(pgid)
             lease.pgid_uids.append(owner)  # at its end it is signalled only if still this uid's
-            self._changed(lease)  # its processes on its accelerators are now its own
-            await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
+        self._changed(lease)  # its processes on its accelerators are now its own
+        await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
         return lease
 
     async def release(self, lease_id: str, caller: Caller, token: str | None) -> Lease:
@@ -833,30 +861,22 @@ class Broker:
         who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
         # Durable first: the lease keeps its room until its end is on disk, so a release the store
         # refuses (STORE_FULL) leaves the lease as it was, and nothing was granted in its room meanwhile.
+        # What follows the disk's answer runs even when the caller goes away while it syncs.
         was = (lease.state, lease.ended_at, lease.reason)
-        commit = self.store.commit(self._record_end(lease, "released", f"released by {who}"))
-        try:
-            await asyncio.shield(commit)
-        except asyncio.CancelledError:  # the caller went away: the release still lands, or fails, as the disk says
-            commit.add_done_callback(lambda landed: self._released(lease, was, landed))
-            raise
-        except BrokerError:
-            self._released(lease, was, commit)
-            raise
-        self._released(lease, was, commit)
+        writes = self._record_end(lease, "released", f"released by {who}") + self._trim_history()
+        await self.store.commit(writes, on_settled=lambda error: self._released(lease, was, writes, error))
         self.budgets()  # computed again now, so the next request finds them ready
         return lease
 
-    def _released(self, lease: Lease, was: tuple[str, float | None, str | None], commit: asyncio.Future[None]) -> None:
-        """A release's commit is done: free its room, or, if the store refused it, make the lease live again."""
-        if not commit.cancelled() and commit.exception() is None:
+    def _released(self, lease: Lease, was: tuple[str, float | None, str | None], writes: list[Write], error: Exception | None) -> None:
+        """A release's commit is settled: free its room, or, if the store refused it, make the lease live again."""
+        if error is None:
             self._free(lease)
-            history = self._trim_history()  # after the release, not in it: a refused release leaves the history whole
-            if history:
-                self.store.submit(history)
             return
         lease.state, lease.ended_at, lease.reason = was
         self.ended.pop(lease.id, None)
+        owed = [write.key for write in writes if write.table == "ended" and write.value is None]
+        self._dropped = owed + self._dropped  # history deletes that rode the refused commit are owed again
         if (
             lease.bind == "caller"
             and lease.holder.pid is not None

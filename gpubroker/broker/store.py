@@ -12,6 +12,7 @@ import asyncio
 import functools
 import queue
 import struct
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class _Batch:
     future: asyncio.Future[None] | None
     loop: asyncio.AbstractEventLoop | None = None
     while_syncing: Callable[[], None] | None = None
+    on_settled: Callable[[Exception | None], None] | None = None
     packed: list[bytes | None] = field(default_factory=list)  # the values as the writer packed them
 
 
@@ -112,18 +114,29 @@ class Store:
             self._thread = None
             self._env.close()
 
-    def commit(self, writes: list[Write], while_syncing: Callable[[], None] | None = None) -> asyncio.Future[None]:
+    def commit(
+        self,
+        writes: list[Write],
+        while_syncing: Callable[[], None] | None = None,
+        on_settled: Callable[[Exception | None], None] | None = None,
+    ) -> asyncio.Future[None]:
         """Done once the writes are synced to disk; StoreFull if they do not fit (nothing is changed).
 
         The writes are handed over at once, in call order, and a plain future comes back:
         no task to schedule on the way to the disk or on the way back. `while_syncing` is
         called on the loop once the writer has the transaction ready and is syncing it (with
         the GIL released), so work such as preparing the answer costs the answer nothing.
+        `on_settled(error)` is called on the loop just before the future is settled, and also when
+        whoever awaited it has gone away meanwhile: what must follow the disk's answer always does.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        self._queue.put(_Batch(writes, future, loop, while_syncing))
+        self._queue.put(_Batch(writes, future, loop, while_syncing, on_settled))
         return future
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
 
     def submit(self, writes: list[Write]) -> None:
         """Writes that ride the next commit, with nobody waiting on them (events)."""
@@ -145,6 +158,9 @@ class Store:
             unpackable = self._pack_all(batches)
             if unpackable:
                 self._resolve(list(unpackable), None, unpackable)
+                for batch, problem in unpackable.items():
+                    if batch.future is None:  # an event nobody waits on: it is lost, and says so
+                        print(f"gpubroker: an event could not be kept: {problem}", file=sys.stderr, flush=True)
                 batches = [batch for batch in batches if batch not in unpackable]
             error = self._write(batches) if batches else None
             self._resolve(batches, error)
@@ -207,7 +223,7 @@ class Store:
         """Settle each waiting future with `error`, or its own from `errors`, in one hand-over per loop."""
         _call_on_loops(
             [
-                (batch.loop, functools.partial(_settle, batch.future, errors.get(batch) if errors else error))
+                (batch.loop, functools.partial(_settle, batch.future, errors.get(batch) if errors else error, batch.on_settled))
                 for batch in batches
                 if batch.future is not None
             ]
@@ -235,7 +251,9 @@ def _run_all(calls: list[Callable[[], None]]) -> None:
             asyncio.get_running_loop().call_exception_handler({"message": "a call from the store's writer failed", "exception": error})
 
 
-def _settle(future: asyncio.Future[None], error: Exception | None) -> None:
+def _settle(future: asyncio.Future[None], error: Exception | None, on_settled: Callable[[Exception | None], None] | None = None) -> None:
+    if on_settled is not None:
+        on_settled(error)
     if future.done():
         return
     if error is None:

@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import struct
-import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -103,30 +102,6 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
         return _refusal(request, InvalidRequest(f"{error.reason}", {"status": error.status}, status=error.status))
 
 
-class RefusalBudget:
-    """At most RATE refusal events a second, in bursts of BURST: a flood of bad requests must not become a
-    flood of synced writes. Those not kept are counted, and the next one kept says how many."""
-
-    RATE = 20.0
-    BURST = 100.0
-
-    def __init__(self) -> None:
-        self.tokens = self.BURST
-        self.at = time.monotonic()
-        self.not_kept = 0
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.BURST, self.tokens + (now - self.at) * self.RATE)
-        self.at = now
-        if self.tokens < 1:
-            self.not_kept += 1
-            return False
-        self.tokens -= 1
-        return True
-
-
-REFUSALS = web.AppKey("refusals", RefusalBudget)
 MAX_KEPT = 256  # characters of any one string of a refused caller's kept in its event
 
 
@@ -138,7 +113,7 @@ def _refusal(request: web.Request, error: BrokerError) -> web.Response:
     """
     if not error.recorded and (request.path.startswith("/v1/") or error.code is FailureCode.FORBIDDEN):
         error.recorded = True
-        budget = request.app[REFUSALS]
+        budget = request.app[BROKER].refusals
         if budget.take():
             details = _text({**error.details, "method": request.method, "path": request.path})
             if budget.not_kept:
@@ -489,7 +464,6 @@ def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None, guard: Guard |
     app[CONFIG_HOSTS] = allowed_hosts(config)
     app[GUARD] = guard or Guard(config.ui_password_hash, None, tls=False, sessions=Sessions())
     app[METRICS] = Metrics(broker)
-    app[REFUSALS] = RefusalBudget()
     app[MESH] = mesh if isinstance(mesh, MeshSlot) else MeshSlot(mesh)
     app.router.add_post("/v1/leases", create_lease)
     app.router.add_get("/v1/leases", list_leases)

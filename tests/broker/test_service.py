@@ -537,6 +537,35 @@ async def test_a_release_whose_caller_goes_away_mid_commit_still_frees_the_room(
     assert again["state"] == "granted"
 
 
+async def test_a_broker_closing_finishes_a_release_whose_caller_went_away_and_stops_its_groups(make_node: Callable[..., Any]) -> None:
+    node = await make_node(kill_grace=0.5)
+    lease, token = await node.ask(Caller("unix", uid=os.getuid(), pid=os.getpid()), cpu_cores=1)
+    work = subprocess.Popen(["sleep", "30"], process_group=0)
+    try:
+        await node.broker.register_group(lease["id"], ME, token, work.pid)
+        release = asyncio.create_task(node.broker.release(lease["id"], ME, token))
+        await asyncio.sleep(0)  # handed to the writer
+        release.cancel()
+        await asyncio.gather(release, return_exceptions=True)
+        await node.broker.close()  # at once: the release lands while the broker closes
+        assert lease["id"] not in node.broker.leases
+        assert work.wait(timeout=5) == -15  # its group was stopped before the broker was done
+    finally:
+        work.kill()
+        work.wait()
+
+
+async def test_refusals_are_kept_as_events_at_a_bounded_rate_and_the_rest_counted(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    for _ in range(150):  # more cores than the node has: each a refusal, all at one moment
+        await node.refused(cpu_cores=512)
+    assert len(await node.events("lease.refused")) == 100
+    node.clock.advance(1)
+    await node.refused(cpu_cores=512)
+    kept = await node.events("lease.refused")
+    assert (len(kept), kept[-1]["details"]["not_kept_before"]) == (101, 50)
+
+
 async def test_a_broker_whose_store_is_full_still_starts_and_serves_what_it_holds(make_node: Callable[..., Any]) -> None:
     node = await make_node(store_size=256 * 2**10, events_kept=100_000)
     lease, _ = await node.ask(cpu_cores=1)
