@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 import weakref
@@ -158,11 +159,15 @@ def allowed_hosts(config: Config) -> frozenset[str]:
     return frozenset(names)
 
 
+_HOST = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::\d{1,5})?")
+
+
 def _check_host(request: web.Request) -> None:
     """Against DNS rebinding (a TCP caller): the Host must be localhost, the listen address or an allowed host."""
     host = request.headers.get("Host", "")
-    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]", 1)[0]
-    if name.lower() not in request.app[CONFIG_HOSTS]:
+    well_formed = _HOST.fullmatch(host)  # a name or [IPv6 address], then a numeric port if any
+    name = (well_formed.group("v6") or well_formed.group("name")) if well_formed else None
+    if name is None or name.lower() not in request.app[CONFIG_HOSTS]:
         raise Forbidden(
             f"Host {host!r} is not this broker's address; add it to allowed_hosts to reach the API by that name", {"host": host}
         )

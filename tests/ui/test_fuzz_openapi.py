@@ -520,7 +520,21 @@ def test_a_wrong_method_is_refused_in_the_one_error_shape(api: Api, method: str,
     assert api.snapshot() == before
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:80", "127.0.0.2", "localhost.evil.example", "[::2]:9740", ""])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "evil.example",
+        "evil.example:80",
+        "127.0.0.2",
+        "localhost.evil.example",
+        "[::2]:9740",
+        "",
+        "[::1",
+        "localhost:abc",
+        "[::1]x",
+        "localhost:1:2",
+    ],
+)
 def test_a_foreign_host_header_on_tcp_is_forbidden(api: Api, host: str) -> None:
     before = api.snapshot()
     for method, path, body in (("GET", "/v1/node", None), ("POST", "/v1/leases", {"cpu_cores": 1}), ("GET", "/openapi.json", None)):
