@@ -556,8 +556,29 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+# Flags whose value may be negative: "--ttl -5s" is the flag and its value (the broker says why it is
+# refused), not two flags, as argparse would otherwise read any word that starts with "-".
+_SIGNED = frozenset({"--gpu-memory", "--gpus", "--gpu", "--cpu-cores", "--memory", "--ttl", "--wait", "--deadline"})
+
+
+def _join_signed(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    rest = iter(argv)
+    for word in rest:
+        if word == "--":
+            return [*out, word, *rest]  # CMD's own arguments are its own
+        following = next(rest, None) if word in _SIGNED else None
+        if following == "--":
+            return [*out, word, following, *rest]
+        if following is not None and following[:1] == "-" and following[1:2].isdigit():
+            out.append(f"{word}={following}")
+        else:
+            out += [word] if following is None else [word, following]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(_join_signed(sys.argv[1:] if argv is None else argv))
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
         args.command = args.command[1:]
     try:

@@ -105,6 +105,9 @@ def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cl
     refused = cli("lease", "--gpu-memory", "20GiB")
     assert refused.returncode == 75
     assert "INSUFFICIENT_SCHEDULABLE_VRAM" in refused.stderr
+    negative = cli("lease", "--memory", "1MiB", "--ttl", "-5s")  # a value, not a flag: the broker says why not
+    assert (negative.returncode, negative.stderr.split(":")[1].strip()) == (1, "INVALID_REQUEST"), negative.stderr
+    assert "ttl" in negative.stderr
     never = cli("lease", "--gpu-memory", "30GiB", "--wait", "forever")
     assert never.returncode == 75
     assert "CAPABILITY_UNAVAILABLE" in never.stderr
