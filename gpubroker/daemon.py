@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gpubroker.broker.nvml import NvmlProbe
 from gpubroker.broker.probes import GpuProbe, SimulatedProbe
@@ -207,6 +209,22 @@ def make_guard(config: Config) -> tuple[Guard, ssl.SSLContext | None]:
     return Guard(config.ui_password_hash, token, tls=lan, sessions=Sessions()), _ui_tls(config) if lan else None
 
 
+class _UnreadableRequests(logging.Filter):
+    """A request the HTTP parser cannot read (a byte no URL may hold) is the caller's mistake, answered 400
+    by aiohttp itself: one line in the log, not an error with a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        problem = record.exc_info[1] if record.exc_info else None
+        if isinstance(problem, HttpProcessingError):
+            detail = (problem.message or str(problem)).strip().splitlines()
+            record.msg, record.args, record.exc_info = "refused a request it cannot read: %s", (detail[0] if detail else "",), None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_UNREADABLE = _UnreadableRequests()
+
+
 async def serve(
     config: Config,
     probe: GpuProbe | None = None,
@@ -215,6 +233,7 @@ async def serve(
     ask: bool = False,
 ) -> None:
     """Run the broker (and its mesh, in a cluster) until cancelled; closing is idempotent and leaves the store consistent."""
+    logging.getLogger("aiohttp.server").addFilter(_UNREADABLE)
     lock = _lock_state(config.state_dir)
     try:
         guard, tls = make_guard(config)

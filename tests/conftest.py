@@ -51,6 +51,7 @@ class BrokerProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[str] | None = None
     ready_line: str = ""
+    output: list[str] = field(default_factory=list)  # every line it printed, as it prints them
 
     @property
     def state(self) -> Path:
@@ -86,6 +87,7 @@ class BrokerProcess:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 lines.append(line)
+                self.output.append(line)
                 if line.startswith("gpubroker ready"):
                     self.ready_line = line
                     found.set()

@@ -218,3 +218,14 @@ def test_a_flood_of_refusals_is_kept_at_a_bounded_rate_and_counted(broker: Broke
         time.sleep(0.02)
     assert 100 <= len(kept) < 300
     assert len(kept) + sum(e["details"].get("not_kept_before", 0) for e in kept) == 301  # every one kept or counted
+
+
+def test_a_request_the_http_parser_cannot_read_is_one_line_in_the_log_not_a_traceback(broker: BrokerProcess) -> None:
+    with sockets.create_connection(("127.0.0.1", broker.port)) as sock:
+        sock.sendall("GET /v1/events?after=\u0663 HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+        assert sock.recv(64).split(b" ")[1] == b"400"
+    deadline = time.monotonic() + 10
+    while not any("cannot read" in line for line in broker.output):
+        assert time.monotonic() < deadline, "".join(broker.output)
+        time.sleep(0.02)
+    assert not any("Traceback" in line for line in broker.output), "".join(broker.output)
