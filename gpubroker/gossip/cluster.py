@@ -168,7 +168,9 @@ def decode_token(token: str) -> JoinToken:
             raw, raw=False, strict_map_key=True, max_str_len=len(raw), max_bin_len=len(raw), max_array_len=8, max_map_len=8, max_ext_len=0
         )
     except Exception as exc:  # binascii.Error, msgpack's ValueError subclasses, UnicodeDecodeError, TypeError...
-        raise ClusterError(f"not a join token: {type(exc).__name__}") from None
+        raise ClusterError(
+            f"not a join token: it is cut short or mistyped ({type(exc).__name__}); copy it whole from `gpubroker invite`"
+        ) from None
     if not isinstance(doc, dict):
         raise ClusterError("not a join token: its body is not a map")
     seed, fp, secret, exp, cluster = (doc.get(k) for k in ("seed", "fp", "secret", "exp", "cluster"))
@@ -551,7 +553,7 @@ class ClusterState:
         if node_id in self._removed:
             return
         if node_id not in self._members and node_id not in self._pending:
-            raise ClusterError(f"{node_id} is neither a member nor asking to join", node_id)
+            raise ClusterError(f"unknown node {node_id}: neither a member nor asking to join", node_id)
         self._removed[node_id] = now
         self._members.pop(node_id, None)
         self._pending.pop(node_id, None)

@@ -613,7 +613,9 @@ class Mesh:
             }
             for node, entry in sorted(self.cluster.members.items())
         ]
-        pending = [{"id": p.node_id, "name": p.name, "addr": p.addr, "fingerprint": p.fingerprint} for p in self.cluster.pending_list()]
+        pending = [
+            {"id": p.node_id, "name": p.name, "addr": _host_port(p.addr), "fingerprint": p.fingerprint} for p in self.cluster.pending_list()
+        ]
         return {"members": members, "pending": pending, "removed": sorted(self.cluster.removed)}
 
     def remove(self, node: str) -> dict[str, Any]:
@@ -716,3 +718,9 @@ class Mesh:
             nodes.append(entry)
         coordinator = {"id": self.coordinator.node, "epoch": self.coordinator.epoch} if self.coordinator else None
         return {"nodes": nodes, "coordinator": coordinator, "health": self.membership.health_score()}
+
+
+def _host_port(addr: tuple[str, int] | list[Any]) -> str:
+    """An address as people write it: 10.0.0.5:9741, [fe80::1]:9741."""
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"

@@ -401,15 +401,16 @@ def _mesh(request: web.Request) -> Mesh:
 
 async def create_invite(request: web.Request) -> web.Response:
     _admin(request)
-    mesh = _mesh(request)
     body = await _json_body(request, optional=True)
     if not isinstance(body, dict) or set(body) - {"ttl"}:
         raise InvalidRequest('an invite is an empty body or {"ttl": DURATION}')
     try:
-        ttl = parse_duration(body.get("ttl") or "1h")
+        ttl = parse_duration("1h" if body.get("ttl") is None else body["ttl"])
     except UnitError as error:
         raise InvalidRequest(f"ttl: {error}", {"field": "ttl"}) from None
-    return web.json_response({"token": mesh.invite(ttl)}, status=201)
+    if ttl < 1:
+        raise InvalidRequest("ttl: an invite lasts at least 1s", {"field": "ttl"})
+    return web.json_response({"token": _mesh(request).invite(ttl)}, status=201)
 
 
 async def list_nodes(request: web.Request) -> web.Response:
@@ -434,8 +435,13 @@ async def list_keys(request: web.Request) -> web.Response:
 async def change_keys(request: web.Request) -> web.Response:
     _admin(request)
     body = await _json_body(request, optional=True)
-    if not isinstance(body, dict) or set(body) - {"install", "use", "remove"} or len(body) != 1:
-        raise InvalidRequest('a key change is {"install": KEY or null}, {"use": KEY_ID} or {"remove": KEY_ID}')
+    if (
+        not isinstance(body, dict)
+        or set(body) - {"install", "use", "remove"}
+        or len(body) != 1
+        or not all(isinstance(value, str) or (name == "install" and value is None) for name, value in body.items())
+    ):
+        raise InvalidRequest('a key change is {"install": KEY or null}, {"use": KEY_ID} or {"remove": KEY_ID}, KEY and KEY_ID strings')
     return web.json_response(await _mesh(request).change_keys(body))
 
 

@@ -423,6 +423,12 @@ def test_pending_requests_are_capped_oldest_forgotten_first(tmp_path: Path) -> N
 # -- removal ---------------------------------------------------------------------------------------
 
 
+def test_removing_a_node_nobody_knows_says_it_is_unknown(tmp_path: Path) -> None:
+    state = make(tmp_path)
+    with pytest.raises(ClusterError, match="unknown node n-nobody"):  # the API answers 404 NOT_FOUND for "unknown"
+        state.remove("n-nobody", 0.0)
+
+
 def test_a_node_cannot_remove_itself(tmp_path: Path) -> None:
     state = make(tmp_path)
     with pytest.raises(ClusterError, match="cannot remove itself"):

@@ -229,3 +229,21 @@ def test_a_request_the_http_parser_cannot_read_is_one_line_in_the_log_not_a_trac
         assert time.monotonic() < deadline, "".join(broker.output)
         time.sleep(0.02)
     assert not any("Traceback" in line for line in broker.output), "".join(broker.output)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/cluster/invites", {"ttl": "0s"}),
+        ("/v1/cluster/invites", {"ttl": 0}),
+        ("/v1/cluster/invites", {"ttl": ""}),
+        ("/v1/cluster/keys", {"install": 123}),
+        ("/v1/cluster/keys", {"install": {"a": 1}}),
+        ("/v1/cluster/keys", {"use": None}),
+        ("/v1/cluster/keys", {"remove": ["x"]}),
+    ],
+)
+def test_a_cluster_change_with_a_value_of_the_wrong_kind_is_an_invalid_request(broker: BrokerProcess, path: str, body: Any) -> None:
+    with pytest.raises(ClientError) as refused:
+        broker.client().call("POST", path, body)  # root on the socket: an admin, so only the body is judged
+    assert (refused.value.status, refused.value.code) == (400, "INVALID_REQUEST")
