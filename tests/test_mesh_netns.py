@@ -76,6 +76,14 @@ def test_three_brokers_join_with_tokens_share_figures_and_leases_and_hint_elsewh
     assert (released["state"], released["reason"]) == ("released", "released by root on the Unix socket of node2")
     assert a.client.call("GET", f"/v1/leases/{held['id']}")["lease"]["state"] == "released"
 
+    # A removed node may gossip on with the key it holds, but it is no member, peer or coordinator any more.
+    removed = next(n["id"] for n in a.cluster()["nodes"] if n["name"] == "node1")
+    a.client.call("DELETE", f"/v1/cluster/nodes/{removed}")
+    time.sleep(3)  # gossip rounds in which node1 still speaks
+    assert set(a.sees()) == {"node0", "node2"}
+    assert a.cluster()["coordinator"]["id"] != removed
+    assert removed in a.client.call("GET", "/v1/cluster/nodes")["removed"]
+
 
 def test_a_killed_broker_is_dead_everywhere_and_rejoins_by_mdns_and_a_partition_heals(three: list[NsBroker]) -> None:
     form(three)

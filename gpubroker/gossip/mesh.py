@@ -282,6 +282,8 @@ class Mesh:
         self._elect()
 
     def _member_event(self, kind: str, node: str) -> None:
+        if self.cluster.is_removed(node):
+            return  # a removed node heard of again is not news
         if kind in ("dead", "left"):
             self.broker.record_event(f"mesh.member.{kind}", f"node {self._name_of(node)} ({node}) is {kind}", details={"node": node})
         elif kind in ("joined", "alive"):
@@ -307,7 +309,9 @@ class Mesh:
             self._learning.discard(node)
 
     def _others(self) -> list[Any]:
-        return [m for m in self.membership.members() if m.node != self.node_id]
+        """The other nodes the membership knows, but for removed ones: a removed node may still gossip with the
+        cluster key until the next key change, but it is no member, no coordinator and no peer to show."""
+        return [m for m in self.membership.members() if m.node != self.node_id and not self.cluster.is_removed(m.node)]
 
     def _name_of(self, node: str) -> str:
         member = self.membership.member(node)
