@@ -183,12 +183,16 @@ def cluster_region(request: web.Request) -> str:
     totals = dict.fromkeys(("total", "external", "resident", "leased", "reserve", "schedulable"), 0)
     cards = []
     gpu_count = 0
+    down = 0
     for node in view["nodes"]:
         gpus = node_gpus(node)
-        gpu_count += len(gpus)
-        for gpu in gpus:
-            for name in totals:
-                totals[name] += gpu["figures"].get(name, 0)
+        if node.get("self") or node.get("state") in ("alive", "suspect"):
+            gpu_count += len(gpus)
+            for gpu in gpus:
+                for name in totals:
+                    totals[name] += gpu["figures"].get(name, 0)
+        else:
+            down += 1  # its last document still shows, but nothing can be granted there: not in the totals
         name = node.get("name") or (node.get("document") or {}).get("name") or node["id"]
         badges = '<span class="badge coordinator">coordinator</span>' if node["id"] == coordinator else ""
         if node.get("self"):
@@ -209,7 +213,8 @@ def cluster_region(request: web.Request) -> str:
         )
     summary = " · ".join(f"{totals[k] / GIB:.1f} GiB {k}" for k in totals if k != "resident" or totals[k])
     return (
-        f'<section class="totals"><h1>Cluster</h1><p>{plural(len(view["nodes"]), "node")} · {plural(gpu_count, "GPU")} · {e(summary)}</p>{legend()}</section>'
+        f'<section class="totals"><h1>Cluster</h1><p>{plural(len(view["nodes"]), "node")}{f" ({down} down, not counted)" if down else ""}'
+        f" · {plural(gpu_count, 'GPU')} · {e(summary)}</p>{legend()}</section>"
         f'<div class="cards">{"".join(cards)}</div>'
     )
 

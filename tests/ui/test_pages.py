@@ -24,7 +24,7 @@ from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.client import ClientError
 from gpubroker.config import Config
-from gpubroker.ui import stream
+from gpubroker.ui import pages, stream
 from gpubroker.ui.api import make_app
 
 SIMULATION = """
@@ -284,3 +284,20 @@ async def test_a_cluster_message_is_sent_when_the_view_changes_and_only_then(
         assert "id" not in message  # a view is not an event: it must not move Last-Event-ID
         summary = json.loads(message["data"])
         assert summary["nodes"][0]["gpus"][0]["external"] == 6 * GIB
+
+
+async def test_the_cluster_totals_leave_out_nodes_that_are_down(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, broker, _ = served
+    gone = {"gpus": [{"index": 0, "uuid": "GPU-far", "name": "far", "figures": {"total": 48 * GIB, "schedulable": 47 * GIB}}], "leases": []}
+    view = {
+        "nodes": [
+            {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
+            {"id": "n-far", "name": "far", "state": "dead", "self": False, "age": 30.0, "document": gone},
+        ],
+        "coordinator": None,
+    }
+    monkeypatch.setattr(pages, "cluster_view", lambda app: view)
+    text = await (await client.get("/fragment/cluster")).text()
+    assert "2 nodes (1 down, not counted) · 1 GPU · 24.0 GiB total" in text
