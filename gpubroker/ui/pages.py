@@ -285,7 +285,7 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
                         "priority": lease["priority"],
                         "preemption": lease["preemption"],
                         "since": lease["queued_at"] if queued else lease["granted_at"],
-                        "expires": None if queued else lease["expires_at"],
+                        "expires": lease["expires_at"] if lease["state"] == "granted" else None,  # an ended one has no expiry ahead
                         "state": lease["state"],
                     }
                 )
@@ -338,7 +338,11 @@ def leases_region(request: web.Request) -> str:
             f'<span class="state state-{e(r["state"])}">{e(r["state"])}</span>',
             f"<code>{e(r['id'])}</code>",
             *(
-                [action("DELETE", f"/v1/leases/{quote(str(r['id']), safe='')}", "release" if r["state"] != "queued" else "cancel")]
+                [
+                    action("DELETE", f"/v1/leases/{quote(str(r['id']), safe='')}", "release" if r["state"] == "granted" else "cancel")
+                    if r["state"] in ("granted", "queued")
+                    else ""  # an ended lease has nothing left to release
+                ]
                 if admin
                 else []
             ),

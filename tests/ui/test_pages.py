@@ -301,3 +301,16 @@ async def test_the_cluster_totals_leave_out_nodes_that_are_down(
     monkeypatch.setattr(pages, "cluster_view", lambda app: view)
     text = await (await client.get("/fragment/cluster")).text()
     assert "2 nodes (1 down, not counted) · 1 GPU · 24.0 GiB total" in text
+
+
+async def test_an_ended_lease_on_the_leases_page_has_no_expiry_ahead(served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe]) -> None:
+    client, broker, _ = served
+    held = await lease(client)
+    ended = await lease(client)
+    answer = await client.delete(f"/v1/leases/{ended['id']}", headers={"X-Lease-Token": ended["token"]})
+    assert answer.status == 200
+    text = await (await client.get("/fragment/leases")).text()
+    rows = {lease_id: next(row for row in text.split("<tr") if lease_id in row) for lease_id in (held["id"], ended["id"])}
+    expiry = {lease_id: row.split("<td>")[8] for lease_id, row in rows.items()}  # holder, node, GPU, bytes, class, preemption, age, expiry
+    assert expiry[held["id"]].startswith("<time")
+    assert expiry[ended["id"]].startswith("—")
