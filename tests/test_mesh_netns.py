@@ -84,6 +84,10 @@ def test_three_brokers_join_with_tokens_share_figures_and_leases_and_hint_elsewh
     assert a.cluster()["coordinator"]["id"] != removed
     assert removed in a.client.call("GET", "/v1/cluster/nodes")["removed"]
 
+    c.stop()  # SIGTERM, as systemd stops a service: it says it leaves, and is not taken for a failure
+    left = timed(lambda: a.sees().get("node2") == "left", 5)
+    print(f"a stopped broker was seen to have left {left:.2f} s after its stop")
+
 
 def test_a_killed_broker_is_dead_everywhere_and_rejoins_by_mdns_and_a_partition_heals(three: list[NsBroker]) -> None:
     form(three)

@@ -221,6 +221,8 @@ class Mesh:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        if self._membership is not None and self._datagrams is not None and not self._removed:
+            await self._leave()
         if self._discovery is not None:
             await self._discovery.close()
             self._discovery = None
@@ -230,6 +232,20 @@ class Mesh:
         if self._datagrams is not None:
             self._datagrams.close()
             self._datagrams = None
+
+    async def _leave(self, within: float = 1.0) -> None:
+        """Say we leave, so a stop (systemd, Ctrl-C) shows as "left" on the others, not as a failure found 10 s later."""
+        deadline = self.clock() + within
+        self.membership.leave(self.clock())
+        while True:
+            now = self.clock()
+            self.membership.tick(now)
+            self._drain(now)
+            for task in list(self._tasks):  # what draining asked for (pings, pulls) is not waited on now
+                task.cancel()
+            if self.membership.leave_done or now >= deadline:
+                return
+            await asyncio.sleep(0.05)
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
