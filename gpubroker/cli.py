@@ -360,14 +360,18 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Create this node's identity and a new cluster, offline, in the state directory."""
-    from gpubroker.daemon import load_identity
+    from gpubroker.daemon import StartError, load_identity, lock_state
     from gpubroker.gossip.cluster import ClusterError, ClusterState
     from gpubroker.gossip.keyring import cluster_hash
 
     try:
         config = load_config(Path(args.config) if args.config else None, state_dir=args.state, name=args.name)
+        os.close(lock_state(config.state_dir))  # a running broker would go on as the node it was, in no cluster
         identity = load_identity(config.state_dir)
         cluster = ClusterState.init(config.state_dir, identity, config.name)
+    except StartError as error:
+        print(f"gpubroker: {error}: stop it, run `gpubroker init`, then start it again", file=sys.stderr)
+        return 2
     except (ConfigError, ClusterError) as error:
         print(f"gpubroker: {error}", file=sys.stderr)
         return 2
@@ -448,6 +452,9 @@ def cmd_token(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(Path(args.config) if args.config else None, state_dir=args.state)
+        if not config.state_dir.is_dir():  # a mistyped --state must not make a token no broker knows
+            print(f"gpubroker: no state directory at {config.state_dir}: give the one the broker runs on (--state)", file=sys.stderr)
+            return 2
         print(load_or_create_api_token(config.state_dir))
     except (ConfigError, OSError) as error:
         print(f"gpubroker: {error}", file=sys.stderr)

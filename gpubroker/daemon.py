@@ -44,7 +44,7 @@ def make_probe(config: Config) -> GpuProbe:
     return NvmlProbe()
 
 
-def _lock_state(state_dir: Path) -> int:
+def lock_state(state_dir: Path) -> int:
     """One broker per state directory: a second would fight over the same leases."""
     state_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -234,7 +234,7 @@ async def serve(
 ) -> None:
     """Run the broker (and its mesh, in a cluster) until cancelled; closing is idempotent and leaves the store consistent."""
     logging.getLogger("aiohttp.server").addFilter(_UNREADABLE)
-    lock = _lock_state(config.state_dir)
+    lock = lock_state(config.state_dir)
     try:
         guard, tls = make_guard(config)
         if join is not None and known_node_id(config.state_dir) is None:

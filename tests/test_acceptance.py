@@ -186,3 +186,23 @@ def test_a_command_run_under_a_lease_gets_the_terminal_like_a_shell_job(broker_p
         if run.poll() is None:
             run.kill()
     assert b"foreground True" in output, output
+
+
+def test_init_refuses_a_state_directory_a_broker_is_running_on(broker_process: type[BrokerProcess]) -> None:
+    broker = broker_process("1x24GiB").start()
+    init = [sys.executable, "-m", "gpubroker", "init", "--state", str(broker.state)]
+    refused = subprocess.run(init, env=broker.env, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2, refused.stderr
+    assert "another broker is running" in refused.stderr
+    assert "stop it" in refused.stderr
+    broker.stop()
+    made = subprocess.run(init, env=broker.env, capture_output=True, text=True, timeout=30)
+    assert made.returncode == 0, made.stderr
+
+
+def test_token_with_a_mistyped_state_directory_makes_nothing(tmp_path: Path) -> None:
+    typo = tmp_path / "no-such-state"
+    answer = subprocess.run([sys.executable, "-m", "gpubroker", "token", "--state", str(typo)], capture_output=True, text=True, timeout=30)
+    assert answer.returncode == 2
+    assert "no state directory" in answer.stderr
+    assert not typo.exists()

@@ -511,15 +511,23 @@ def login_page(request: web.Request, status: int = 200, message: str = "") -> we
     node = request.app[BROKER].config.name
     target = _local_path(request.query.get("next") or (request.path_qs if request.path != "/login" else "/"))
     warning = f'<p class="error" role="alert">{e(message)}</p>' if message else ""
-    body = (
-        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f'<title>Sign in · {e(node)} · gpubroker</title><link rel="stylesheet" href="/static/style.css"></head>'
-        f'<body><main class="login"><h1>gpubroker · {e(node)}</h1>{warning}'
+    form = (
         f'<form method="post" action="/login"><input type="hidden" name="next" value="{e(target)}">'
         '<label>password <input type="password" name="password" autocomplete="current-password" autofocus required></label>'
         "<button>sign in</button></form>"
         '<p class="muted">The password is the one whose hash is this node\'s <code>ui_password_hash</code> setting.</p>'
+    )
+    if not request.app[GUARD].required:  # nobody signs in where there is no password to know
+        form = (
+            '<p class="muted">This node has no UI password, so there is nothing to sign in to: its pages are open '
+            f'on its listen address (<a href="{e(target)}">go on</a>), and changes are made as root on its Unix socket. '
+            "<code>gpubroker password</code> makes a <code>ui_password_hash</code> for the config file.</p>"
+        )
+    body = (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<title>Sign in · {e(node)} · gpubroker</title><link rel="stylesheet" href="/static/style.css"></head>'
+        f'<body><main class="login"><h1>gpubroker · {e(node)}</h1>{warning}{form}'
         "</main></body></html>"
     )
     return web.Response(text=body, status=status, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})

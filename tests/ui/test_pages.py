@@ -314,3 +314,12 @@ async def test_an_ended_lease_on_the_leases_page_has_no_expiry_ahead(served: tup
     expiry = {lease_id: row.split("<td>")[8] for lease_id, row in rows.items()}  # holder, node, GPU, bytes, class, preemption, age, expiry
     assert expiry[held["id"]].startswith("<time")
     assert expiry[ended["id"]].startswith("—")
+
+
+async def test_the_sign_in_page_of_a_node_without_a_password_says_there_is_nothing_to_sign_in_to(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    client, _, _ = served
+    text = await (await client.get("/login")).text()
+    assert "no UI password" in text
+    assert 'action="/login"' not in text  # no form that could never succeed
