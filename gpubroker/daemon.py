@@ -237,7 +237,7 @@ async def serve(
     lock = lock_state(config.state_dir)
     try:
         guard, tls = make_guard(config)
-        if join is not None and known_node_id(config.state_dir) is None:
+        if (join is not None or ask) and known_node_id(config.state_dir) is None:
             load_identity(config.state_dir)  # a joining node's leases carry the id it will have in the cluster
         store = Store(config.state_dir, config.store_size, config.events_kept)
         broker = Broker(config, store, probe or make_probe(config), node_id=known_node_id(config.state_dir))

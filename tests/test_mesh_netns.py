@@ -142,6 +142,7 @@ def test_a_node_without_a_token_asks_is_approved_and_joins(tmp_path: Path) -> No
             assert [n["name"] for n in member.cluster()["nodes"]] == ["node0"]  # asking is not being a member
             pending = member.client.call("GET", "/v1/cluster/nodes")["pending"][0]
             assert re.fullmatch(r"[0-9.]+:[0-9]+", pending["addr"]), pending["addr"]  # as people write an address
+            assert newcomer.client.call("GET", "/healthz")["node"] == pending["id"]  # the id it asks with is the one it shows
             member.client.call("POST", f"/v1/cluster/nodes/{pending['id']}/approve")
             joined = timed(lambda: member.sees().get("node1") == "alive" and newcomer.sees().get("node0") == "alive", 30)
             print(f"an approved node joined {joined:.2f} s after the approval")
