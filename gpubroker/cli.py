@@ -439,8 +439,8 @@ def cmd_password(args: argparse.Namespace) -> int:
             return 2
     else:
         password = sys.stdin.readline().rstrip("\n")
-    if len(password) < 8:
-        print("gpubroker: a UI password needs at least 8 characters", file=sys.stderr)
+    if len(password.strip()) < 8:
+        print("gpubroker: a UI password needs at least 8 characters besides spaces", file=sys.stderr)
         return 2
     print(f'ui_password_hash = "{hash_password(password)}"')
     return 0

@@ -237,6 +237,14 @@ def test_a_lan_address_without_a_password_is_refused_at_start_naming_the_setting
     assert "gpubroker password" in done.stderr
 
 
+@pytest.mark.parametrize("weak", ["short", " " * 12, "  ab  cd  "])
+def test_a_ui_password_of_fewer_than_8_characters_besides_spaces_is_refused(weak: str) -> None:
+    made = subprocess.run([sys.executable, "-m", "gpubroker", "password"], input=weak + "\n", capture_output=True, text=True)
+    assert made.returncode == 2
+    assert "at least 8 characters" in made.stderr
+    assert made.stdout == ""
+
+
 def test_with_a_password_it_serves_https_on_a_p256_certificate_and_the_cli_needs_the_token(
     broker_process: type[BrokerProcess], tmp_path: Path
 ) -> None:
