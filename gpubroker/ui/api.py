@@ -381,11 +381,12 @@ async def cluster(request: web.Request) -> web.Response:
     return web.json_response(cluster_view(request.app))
 
 
-def _admin(request: web.Request) -> None:
-    """Changing the cluster takes root or the broker's own Unix user on the socket, or an admin (signed in, or the API token)."""
+def _admin(request: web.Request, doing: str = "changing the cluster") -> None:
+    """Changing the cluster (or reading its keyring) takes root or the broker's own Unix user on the socket, or an
+    admin (signed in, or the API token)."""
     caller = _caller(request)
     if caller.admin is None and _socket_admin(caller) is None:
-        raise Forbidden("changing the cluster takes root or the broker's own user on the Unix socket, or a signed-in admin")
+        raise Forbidden(f"{doing} takes root or the broker's own user on the Unix socket, or a signed-in admin")
 
 
 def _mesh(request: web.Request) -> Mesh:
@@ -428,7 +429,7 @@ async def approve_node(request: web.Request) -> web.Response:
 
 
 async def list_keys(request: web.Request) -> web.Response:
-    _admin(request)
+    _admin(request, "reading the cluster's keyring")
     return web.json_response(_mesh(request).keys_json())
 
 
