@@ -307,7 +307,18 @@ async def list_leases(request: web.Request) -> web.Response:
 
 
 async def get_lease(request: web.Request) -> web.Response:
-    return web.json_response({"lease": request.app[BROKER].get(request.match_info["id"])})
+    lease_id = request.match_info["id"]
+    try:
+        return web.json_response({"lease": request.app[BROKER].get(lease_id)})
+    except NotFound as missing:
+        mesh = request.app[MESH].mesh
+        owner = mesh.owner_of(lease_id) if mesh is not None else None
+        if owner is None:
+            raise
+        # Not this node's: say whose it is (its own node answers for it; a release of it is forwarded there).
+        missing.message += f"; it is node {owner}'s: ask that node, or see GET /v1/cluster"
+        missing.details["node"] = owner
+        raise
 
 
 async def renew_lease(request: web.Request) -> web.Response:
