@@ -585,6 +585,14 @@ class Mesh:
 
     # ----- acting on another node's lease ----------------------------------------
 
+    def leases_of(self, node: str, limit: int) -> list[dict[str, Any]]:
+        """The granted leases another node's document lists, by its id or its name; none for a node not known."""
+        for document, _ in self.view.documents():
+            if node in (document.node, document.body.get("name")):
+                records = [r for r in document.body.get("leases", []) if isinstance(r, dict)]
+                return [{**record, "node": document.node, "state": "granted"} for record in records[:limit]]
+        return []
+
     def owner_of(self, lease_id: str) -> str | None:
         """The node whose document lists this lease, if any."""
         for document, _ in self.view.documents():

@@ -302,7 +302,11 @@ async def list_leases(request: web.Request) -> web.Response:
         raise InvalidRequest(f"state must be one of {', '.join(STATES)}, not {state!r}", {"field": "state"})
     limit = _int_query(request, "limit", 1000, 1, 100_000)
     node = request.query.get("node")
-    leases = [] if node not in (None, broker.node_id, broker.config.name) else broker.list_leases(state, limit)
+    if node in (None, broker.node_id, broker.config.name):
+        leases = broker.list_leases(state, limit)
+    else:  # another node's: its granted leases as its document lists them (their own node has the rest)
+        mesh = request.app[MESH].mesh
+        leases = mesh.leases_of(node, limit) if mesh is not None and state in (None, "granted") else []
     return web.json_response({"leases": leases})
 
 
