@@ -78,24 +78,16 @@ def _positive_int(value: Any) -> int:
     return value
 
 
-def _duration_from(least: float) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        seconds = parse_duration(value)
-        if seconds < least:
-            raise ValueError(f"{value!r} is under the least it may be, {least:g}s")
-        return seconds
+def _at_least(parse: Callable[[Any], float], least: float, shown: str) -> Callable[[Any], Any]:
+    """`parse`, refusing a value under `least` (a setting that could not work)."""
 
-    return parse
-
-
-def _size_from(least: int, shown: str) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        size = parse_size(value)
-        if size < least:
+    def checked(value: Any) -> Any:
+        parsed = parse(value)
+        if parsed < least:
             raise ValueError(f"{value!r} is under the least it may be, {shown}")
-        return size
+        return parsed
 
-    return parse
+    return checked
 
 
 def _peers(value: Any) -> tuple[str, ...]:
@@ -147,11 +139,16 @@ SETTINGS: tuple[Setting, ...] = (
         "staleness",
         5.0,
         "a GPU decision is never made on a reading older than this (at least 100ms, and longer than sample_interval)",
-        _duration_from(0.1),
+        _at_least(parse_duration, 0.1, "0.1s"),
     ),
-    Setting("sample_interval", 1.0, "how often the GPUs are read (at least 100ms)", _duration_from(0.1)),
+    Setting("sample_interval", 1.0, "how often the GPUs are read (at least 100ms)", _at_least(parse_duration, 0.1, "0.1s")),
     Setting("queue_limit", 16, "waiting requests per class on this node; the next gets QUEUE_FULL", _positive_int),
-    Setting("default_ttl", 300.0, "a lease's lifetime unless the request gives a ttl (at least 1s, as a request's)", _duration_from(1.0)),
+    Setting(
+        "default_ttl",
+        300.0,
+        "a lease's lifetime unless the request gives a ttl (at least 1s, as a request's)",
+        _at_least(parse_duration, 1.0, "1s"),
+    ),
     Setting("kill_grace", 10.0, "after a holder dies, its process groups get SIGTERM, then SIGKILL after this", parse_duration),
     Setting("reclaim_grace", 10.0, "after a release, GPU memory still in use after this raises GPU_MEMORY_NOT_RECLAIMED", parse_duration),
     Setting("production_eligible", True, "whether this node serves production requests (else CAPABILITY_UNAVAILABLE)", _bool),
@@ -167,14 +164,16 @@ SETTINGS: tuple[Setting, ...] = (
         "the web UI's password as an scrypt hash from `gpubroker password`; needed to listen beyond loopback",
         _password_hash,
     ),
-    Setting("max_body", 64 * 2**10, "the largest request body accepted (larger gets 413; at least 1KiB)", _size_from(2**10, "1KiB")),
+    Setting(
+        "max_body", 64 * 2**10, "the largest request body accepted (larger gets 413; at least 1KiB)", _at_least(parse_size, 2**10, "1KiB")
+    ),
     Setting("events_kept", 10_000, "events kept in the store; older ones are dropped", _positive_int),
     Setting("leases_kept", 1_000, "ended leases kept in the store for `leases --state released`", _positive_int),
     Setting(
         "store_size",
         2**30,
         "the most the LMDB store may grow to; when full, requests fail with STORE_FULL (at least 1MiB)",
-        _size_from(2**20, "1MiB"),
+        _at_least(parse_size, 2**20, "1MiB"),
     ),
     Setting("gossip", "0.0.0.0:9741", "where the mesh listens, UDP and TCP (once this node belongs to a cluster)", _host_port),
     Setting("advertise", None, "the address peers should use to reach this node (default: the first non-loopback IPv4 address)", str),
