@@ -136,15 +136,19 @@ class RefusalBudget:
         self.at = now()
         self.not_kept = 0
 
-    def take(self) -> bool:
+    def keep(self, details: dict[str, Any]) -> dict[str, Any] | None:
+        """The details to keep this refusal's event with (counting those not kept since), or None: not kept."""
         now = self._now()
         self.tokens = min(self.BURST, self.tokens + max(0.0, now - self.at) * self.RATE)
         self.at = now
         if self.tokens < 1:
             self.not_kept += 1
-            return False
+            return None
         self.tokens -= 1
-        return True
+        if self.not_kept:
+            details = {**details, "not_kept_before": self.not_kept}
+            self.not_kept = 0
+        return details
 
 
 class Broker:
@@ -558,10 +562,8 @@ class Broker:
     def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
         details = refusal.details
         refusal.recorded = True
-        if self.refusals.take():
-            kept = {**details, "priority": request.priority}
-            if self.refusals.not_kept:
-                kept["not_kept_before"], self.refusals.not_kept = self.refusals.not_kept, 0
+        kept = self.refusals.keep({**details, "priority": request.priority})
+        if kept is not None:
             gpu = details.get("gpu") if isinstance(details.get("gpu"), str) else None
             self._record(self._event("lease.refused", refusal.message, code=refusal.code, gpu=gpu, details=kept))
         return refusal
@@ -840,11 +842,11 @@ class Broker:
     async def release(self, lease_id: str, caller: Caller, token: str | None) -> Lease:
         """Release a granted lease, or cancel a waiting request."""
         waiter = self.find_waiter(lease_id)
+        who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
         if waiter is not None:
             self.authorize(waiter, caller, token)
             self._drop_waiter(waiter)
             # LEASE_TIMEOUT is SPEC §3.6's code for a wait that ended without a grant; `cancelled` says how.
-            who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
             self._record(self._event("lease.cancelled", f"request {lease_id} cancelled by {who}", lease=lease_id))
             told = Refusal(
                 FailureCode.LEASE_TIMEOUT,
@@ -858,7 +860,6 @@ class Broker:
             raise gone
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
-        who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
         # Durable first: the lease keeps its room until its end is on disk, so a release the store
         # refuses (STORE_FULL) leaves the lease as it was, and nothing was granted in its room meanwhile.
         # What follows the disk's answer runs even when the caller goes away while it syncs.

@@ -157,8 +157,8 @@ class Store:
                 batches.append(more)
             unpackable = self._pack_all(batches)
             if unpackable:
-                self._resolve(list(unpackable), None, unpackable)
                 for batch, problem in unpackable.items():
+                    self._resolve([batch], problem)
                     if batch.future is None:  # an event nobody waits on: it is lost, and says so
                         print(f"gpubroker: an event could not be kept: {problem}", file=sys.stderr, flush=True)
                 batches = [batch for batch in batches if batch not in unpackable]
@@ -219,11 +219,11 @@ class Store:
             cursor.delete()
 
     @staticmethod
-    def _resolve(batches: list[_Batch], error: Exception | None, errors: dict[_Batch, Exception] | None = None) -> None:
-        """Settle each waiting future with `error`, or its own from `errors`, in one hand-over per loop."""
+    def _resolve(batches: list[_Batch], error: Exception | None) -> None:
+        """Settle each waiting future with `error` (None: done), in one hand-over per loop."""
         _call_on_loops(
             [
-                (batch.loop, functools.partial(_settle, batch.future, errors.get(batch) if errors else error, batch.on_settled))
+                (batch.loop, functools.partial(_settle, batch.future, error, batch.on_settled))
                 for batch in batches
                 if batch.future is not None
             ]

@@ -114,12 +114,10 @@ def _refusal(request: web.Request, error: BrokerError) -> web.Response:
     """
     if not error.recorded and (request.path.startswith("/v1/") or error.code is FailureCode.FORBIDDEN):
         error.recorded = True
-        budget = request.app[BROKER].refusals
-        if budget.take():
-            details = _text({**error.details, "method": request.method, "path": request.path})
-            if budget.not_kept:
-                details["not_kept_before"], budget.not_kept = budget.not_kept, 0
-            request.app[BROKER].record_event(
+        broker = request.app[BROKER]
+        details = broker.refusals.keep(_text({**error.details, "method": request.method, "path": request.path}))
+        if details is not None:
+            broker.record_event(
                 "request.refused",
                 _text(f"{request.method} {request.path}: {error.message}", 4 * MAX_KEPT),
                 code=error.code,
