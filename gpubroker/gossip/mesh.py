@@ -738,7 +738,7 @@ class Mesh:
                 "state": member.state.value,
                 "self": False,
                 "incarnation": member.incarnation,
-                "addr": f"{member.addr[0]}:{member.addr[1]}",
+                "addr": _host_port(member.addr),
                 "age": self.view.age(member.node, now),
             }
             if held is not None:
