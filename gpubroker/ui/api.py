@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import web, web_protocol
 
 from gpubroker.broker.lease import ENDED, LIVE, Lease
 from gpubroker.broker.request import parse_request
@@ -59,6 +59,35 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _error(error: BrokerError) -> web.Response:
     return web.json_response(error.to_json(), status=error.status)
+
+
+def answer_unreadable_requests_in_one_shape() -> None:
+    """A request the HTTP parser cannot read (a byte no URL may hold, a broken request line) never reaches the
+    app or its middleware: aiohttp answers it itself. That answer, too, is given the one error shape of SPEC
+    §3.6, with the status aiohttp chose; a handler's crash stays aiohttp's 500. Idempotent."""
+    original = web_protocol.RequestHandler.handle_error
+    if getattr(original, "in_one_shape", False):
+        return
+
+    def handle_error(
+        self: web_protocol.RequestHandler,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        answer = original(self, request, status, exc, message)  # it logs the request, and refuses once an answer has begun
+        if not 400 <= status < 500:
+            return answer
+        said = (getattr(exc, "message", None) or str(exc or "") or message or "").strip().splitlines()  # the bytes, then a caret
+        what = said[0].rstrip(": ") if said else ""
+        error = InvalidRequest(f"the request cannot be read as HTTP: {_text(what or 'malformed')}", {"status": status}, status=status)
+        shaped = _error(error)
+        shaped.force_close()  # as aiohttp's own: what follows on this connection cannot be trusted
+        return shaped
+
+    handle_error.in_one_shape = True  # type: ignore[attr-defined]
+    web_protocol.RequestHandler.handle_error = handle_error  # type: ignore[method-assign]
 
 
 PAGE_PREFIXES = ("/v1/", "/fragment/", "/metrics", "/openapi.json", "/healthz")
@@ -484,6 +513,7 @@ def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None, guard: Guard |
 
     config = broker.config
     app = web.Application(middlewares=[api_middleware], client_max_size=config.max_body)
+    answer_unreadable_requests_in_one_shape()
     app[BROKER] = broker
     app[CONFIG] = config
     app[CONFIG_HOSTS] = allowed_hosts(config)

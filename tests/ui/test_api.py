@@ -220,10 +220,42 @@ def test_a_flood_of_refusals_is_kept_at_a_bounded_rate_and_counted(broker: Broke
     assert len(kept) + sum(e["details"].get("not_kept_before", 0) for e in kept) == 301  # every one kept or counted
 
 
-def test_a_request_the_http_parser_cannot_read_is_one_line_in_the_log_not_a_traceback(broker: BrokerProcess) -> None:
+def _raw(broker: BrokerProcess, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Bytes sent as they are, and the answer read to its end (the broker closes the connection after it)."""
     with sockets.create_connection(("127.0.0.1", broker.port)) as sock:
-        sock.sendall("GET /v1/events?after=\u0663 HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
-        assert sock.recv(64).split(b" ")[1] == b"400"
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split(" ")[1]), headers, body
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [
+        "GET /v1/events?after=\u0663 HTTP/1.1".encode(),  # a byte no URL may hold
+        b"GET /v1/node HTTP/1.1 extra",
+        b"G\x01T /v1/node HTTP/1.1",
+        b"GET /v1/node HTTP/9.9",
+        b"GET /" + b"a" * 20_000 + b" HTTP/1.1",
+    ],
+)
+def test_a_request_the_http_parser_cannot_read_gets_the_one_error_shape(broker: BrokerProcess, request_line: bytes) -> None:
+    status, headers, body = _raw(broker, request_line + b"\r\nHost: localhost\r\n\r\n")
+    assert 400 <= status < 500
+    assert headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert error["code"] == "INVALID_REQUEST"
+    assert error["message"].startswith("the request cannot be read as HTTP: ")
+    assert error["details"] == {"status": status}
+    assert _raw(broker, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")[0] == 200  # and it serves on
+
+
+def test_a_request_the_http_parser_cannot_read_is_one_line_in_the_log_not_a_traceback(broker: BrokerProcess) -> None:
+    assert _raw(broker, "GET /v1/events?after=\u0663 HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())[0] == 400
     deadline = time.monotonic() + 10
     while not any("cannot read" in line for line in broker.output):
         assert time.monotonic() < deadline, "".join(broker.output)
