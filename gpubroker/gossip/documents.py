@@ -65,6 +65,7 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
             "holder": lease["holder"].get("name"),
             "priority": lease["priority"],
             "gpus": [[g["index"], g["bytes"]] for g in lease.get("gpus", [])],
+            "epochs": [lease.get("epoch"), [g.get("epoch") for g in lease.get("gpus", [])]],  # the lease's, and each GPU's
             "preemption": lease.get("preemption"),
             "granted_at": lease.get("granted_at"),
             "expires_at": lease["expires_at"],
@@ -83,6 +84,32 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
         "queue": dict(node.get("queue", {})),
         "leases": records,
     }
+
+
+def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dict[str, Any] | None:
+    """A lease a node's document lists, in the API's shape of a lease as far as the document tells it
+    (None if the record is not one): a granted lease of `node`, its holder by name, each GPU with its UUID."""
+    try:
+        uuids = {gpu["index"]: gpu["uuid"] for gpu in body.get("gpus", []) if isinstance(gpu, dict)}
+        epochs = record.get("epochs") or [None, []]  # absent from the documents of older brokers
+        gpu_epochs = list(epochs[1]) + [None] * len(record["gpus"])
+        return {
+            "id": str(record["id"]),
+            "state": "granted",
+            "node": node,
+            "epoch": epochs[0],
+            "priority": record["priority"],
+            "preemption": record.get("preemption"),
+            "holder": {"name": record.get("holder")},
+            "gpus": [
+                {"index": index, "uuid": uuids.get(index), "bytes": size, "epoch": epoch}
+                for (index, size), epoch in zip(record["gpus"], gpu_epochs, strict=False)
+            ],
+            "granted_at": record.get("granted_at"),
+            "expires_at": record["expires_at"],
+        }
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from gpubroker.gossip import wire
 from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, decode_token, new_key_b64
 from gpubroker.gossip.coordinator import Candidate, Coordinator, choose, merge
 from gpubroker.gossip.discovery import Discovery, Sighting
-from gpubroker.gossip.documents import ClusterView, DocumentError, Publisher, open_document, sign_document, summarize
+from gpubroker.gossip.documents import ClusterView, DocumentError, Publisher, listed_lease, open_document, sign_document, summarize
 from gpubroker.gossip.identity import Identity, IdentityError, node_id_of, node_id_of_certificate, public_key_of
 from gpubroker.gossip.keyring import cluster_hash, key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
@@ -585,20 +585,31 @@ class Mesh:
 
     # ----- acting on another node's lease ----------------------------------------
 
+    def _listed(self) -> Iterator[tuple[Any, list[dict[str, Any]]]]:
+        """Each other node's document, with the granted leases it lists, as GET /v1/leases shows them."""
+        for document, _ in self.view.documents():
+            listed = (listed_lease(document.body, document.node, r) for r in document.body.get("leases", []) if isinstance(r, dict))
+            yield document, [lease for lease in listed if lease is not None]
+
     def leases_of(self, node: str, limit: int) -> list[dict[str, Any]]:
         """The granted leases another node's document lists, by its id or its name; none for a node not known."""
-        for document, _ in self.view.documents():
+        for document, leases in self._listed():
             if node in (document.node, document.body.get("name")):
-                records = [r for r in document.body.get("leases", []) if isinstance(r, dict)]
-                return [{**record, "node": document.node, "state": "granted"} for record in records[:limit]]
+                return leases[:limit]
         return []
+
+    def lease_of(self, lease_id: str) -> dict[str, Any] | None:
+        """A lease another node's document lists, as `leases_of` shows it; None if no document lists it."""
+        for _, leases in self._listed():
+            for lease in leases:
+                if lease.get("id") == lease_id:
+                    return lease
+        return None
 
     def owner_of(self, lease_id: str) -> str | None:
         """The node whose document lists this lease, if any."""
-        for document, _ in self.view.documents():
-            if any(isinstance(r, dict) and r.get("id") == lease_id for r in document.body.get("leases", [])):
-                return document.node
-        return None
+        lease = self.lease_of(lease_id)
+        return None if lease is None else lease["node"]
 
     async def forward_release(self, lease_id: str, token: str | None, admin: str | None = None) -> dict[str, Any] | None:
         """Ask the lease's own node to release it; it authorises the request (the token, or this node's admin). None: no node holds it."""

@@ -341,15 +341,13 @@ async def get_lease(request: web.Request) -> web.Response:
     lease_id = request.match_info["id"]
     try:
         return web.json_response({"lease": request.app[BROKER].get(lease_id)})
-    except NotFound as missing:
+    except NotFound:
         mesh = request.app[MESH].mesh
-        owner = mesh.owner_of(lease_id) if mesh is not None else None
-        if owner is None:
+        elsewhere = mesh.lease_of(lease_id) if mesh is not None else None
+        if elsewhere is None:
             raise
-        # Not this node's: say whose it is (its own node answers for it; a release of it is forwarded there).
-        missing.message += f"; it is node {owner}'s: ask that node, or see GET /v1/cluster"
-        missing.details["node"] = owner
-        raise
+        # Another node's granted lease, as its document shows it and GET /v1/leases?node= lists it (a release is forwarded there).
+        return web.json_response({"lease": elsewhere})
 
 
 async def renew_lease(request: web.Request) -> web.Response:

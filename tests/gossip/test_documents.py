@@ -162,6 +162,7 @@ def test_the_summary_rounds_figures_and_names_external_processes() -> None:
             "holder": "train",
             "priority": "background",
             "gpus": [[0, GIB]],
+            "epochs": [None, [None]],
             "preemption": None,
             "granted_at": None,
             "expires_at": "2026-11-30T10:00:00.000Z",

@@ -13,7 +13,9 @@ from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
+from gpubroker.gossip.documents import NodeDocument, listed_lease, summarize
 from gpubroker.gossip.mesh import Mesh, MeshSettings
+from gpubroker.ui.openapi import OPENAPI
 
 
 @pytest.fixture
@@ -59,3 +61,34 @@ async def test_the_token_or_a_members_admin_releases_and_the_owner_names_the_mem
     lease_id, _ = await granted(broker)
     answer = await mesh._forwarded_release("n-nuc", {"op": "release", "lease": lease_id, "admin": "root on the Unix socket"})
     assert answer["lease"]["reason"] == "released by root on the Unix socket of nuc"
+
+
+async def test_a_lease_another_nodes_document_lists_reads_in_the_apis_shape_of_a_lease(owner: tuple[Mesh, Broker]) -> None:
+    """What a member shows of this node's lease (GET /v1/leases/{id} and ?node= on the member) is the owner's own
+    answer, as far as the document tells it, in the shape /openapi.json gives a lease."""
+    mesh, broker = owner
+    lease_id, _ = await granted(broker)
+    body = summarize(broker.node_json(), broker.list_leases("granted", 100))
+    member_view = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, identity=None, cluster=None)  # type: ignore[arg-type]
+    member_view.view.apply(NodeDocument("n-tower", 1, 1, 0.0, body, b""), now=0.0)
+    listed = member_view.lease_of(lease_id)
+    assert listed is not None
+    own = broker.get(lease_id)
+    shared = ("id", "state", "epoch", "priority", "preemption", "gpus", "granted_at", "expires_at")
+    assert listed == {**{key: own[key] for key in shared}, "node": "n-tower", "holder": {"name": own["holder"]["name"]}}
+    assert member_view.leases_of("tower", 10) == [listed] == member_view.leases_of("n-tower", 10)
+    assert member_view.owner_of(lease_id) == "n-tower"
+    assert member_view.lease_of("l-000000000000") is None
+    schema = OPENAPI["components"]["schemas"]["Lease"]
+    assert set(schema["required"]) <= set(listed)
+    assert all(set(schema["properties"]["gpus"]["items"]["required"]) <= set(gpu) for gpu in listed["gpus"])
+
+
+def test_a_listed_lease_from_an_older_broker_has_no_epochs_and_a_malformed_one_is_skipped() -> None:
+    body = {"gpus": [{"index": 0, "uuid": "GPU-0"}]}
+    older = {"id": "l-1", "holder": "train", "priority": "batch", "gpus": [[0, GIB]], "expires_at": "2026-11-30T10:00:00.000Z"}
+    lease = listed_lease(body, "n-a", older)
+    assert lease is not None
+    assert (lease["epoch"], lease["gpus"]) == (None, [{"index": 0, "uuid": "GPU-0", "bytes": GIB, "epoch": None}])
+    for broken in ({**older, "gpus": [[0, GIB, 3]]}, {**older, "gpus": 5}, {"id": "l-2"}):
+        assert listed_lease(body, "n-a", broken) is None
