@@ -300,7 +300,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
-    leases = Client().call("GET", "/v1/leases", query={"state": args.state, "limit": args.limit})["leases"]
+    leases = Client().call("GET", "/v1/leases", query={"state": args.state, "node": args.node, "limit": args.limit})["leases"]
     if args.json:
         _print_json(leases)
         return 0
@@ -534,6 +534,7 @@ def parser() -> argparse.ArgumentParser:
 
     leases = sub.add_parser("leases", help="list leases and waiting requests")
     leases.add_argument("--state", choices=("queued", "granted", "released", "expired", "revoked"))
+    leases.add_argument("--node", help="another node of the cluster (id or name): the granted leases its document lists")
     leases.add_argument("--limit", type=int, default=1000)
     leases.add_argument("--json", action="store_true")
     leases.set_defaults(run=cmd_leases)

@@ -8,7 +8,10 @@ machine where it says so.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +78,14 @@ def test_three_brokers_join_with_tokens_share_figures_and_leases_and_hint_elsewh
     listed = c.client.call("GET", "/v1/leases", query={"node": "node0"})["leases"]  # as node0's document lists them
     assert [(r["id"], r["node"], r["state"]) for r in listed] == [(held["id"], a.cluster()["nodes"][0]["id"], "granted")]
     assert c.client.call("GET", f"/v1/leases/{held['id']}")["lease"] == listed[0]  # read from any node, as it is listed there
+    shown = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "leases", "--node", "node0"],
+        env={**os.environ, "GPUBROKER_URL": f"unix:{c.socket}"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert [line.split()[:4] for line in shown.stdout.splitlines()[1:]] == [[held["id"], "granted", held["priority"], "train"]], shown
     released = c.client.call("DELETE", f"/v1/leases/{held['id']}")["lease"]
     assert (released["state"], released["reason"]) == ("released", "released by root on the Unix socket of node2")
     assert a.client.call("GET", f"/v1/leases/{held['id']}")["lease"]["state"] == "released"
