@@ -360,7 +360,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Create this node's identity and a new cluster, offline, in the state directory."""
-    from gpubroker.daemon import StartError, load_identity, lock_state
+    from gpubroker.daemon import BrokerRunning, StartError, load_identity, lock_state
     from gpubroker.gossip.cluster import ClusterError, ClusterState
     from gpubroker.gossip.keyring import cluster_hash
 
@@ -369,11 +369,14 @@ def cmd_init(args: argparse.Namespace) -> int:
         os.close(lock_state(config.state_dir))  # a running broker would go on as the node it was, in no cluster
         identity = load_identity(config.state_dir)
         cluster = ClusterState.init(config.state_dir, identity, config.name)
-    except StartError as error:
+    except BrokerRunning as error:
         print(f"gpubroker: {error}: stop it, run `gpubroker init`, then start it again", file=sys.stderr)
         return 2
-    except (ConfigError, ClusterError) as error:
+    except (ConfigError, ClusterError, StartError) as error:
         print(f"gpubroker: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"gpubroker: cannot write the node's identity and cluster in {config.state_dir}: {error.strerror}", file=sys.stderr)
         return 2
     print(f"cluster {cluster_hash(cluster.cluster_id)} created; this node is {identity.node_id} ({config.name})")
     print("start it with `gpubroker up`, then `gpubroker invite` prints a join token for the next node")
@@ -456,6 +459,12 @@ def cmd_token(args: argparse.Namespace) -> int:
             print(f"gpubroker: no state directory at {config.state_dir}: give the one the broker runs on (--state)", file=sys.stderr)
             return 2
         print(load_or_create_api_token(config.state_dir))
+        if config.ui_password_hash is None:
+            print(
+                "gpubroker: the config read here sets no ui_password_hash, and a broker without one asks nobody for a token: "
+                "the token counts once `gpubroker password` has made one and it is in the broker's config",
+                file=sys.stderr,
+            )
     except (ConfigError, OSError) as error:
         print(f"gpubroker: {error}", file=sys.stderr)
         return 2

@@ -10,12 +10,14 @@ import os
 import signal
 import socket
 import ssl
+import stat
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import lmdb
 import psutil
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -38,6 +40,10 @@ class StartError(Exception):
     """The broker cannot start: the message says why and what to do."""
 
 
+class BrokerRunning(StartError):
+    """Another broker holds the state directory."""
+
+
 def make_probe(config: Config) -> GpuProbe:
     if config.simulate_gpus:
         return SimulatedProbe(config.simulate_gpus)
@@ -46,21 +52,59 @@ def make_probe(config: Config) -> GpuProbe:
 
 def lock_state(state_dir: Path) -> int:
     """One broker per state directory: a second would fight over the same leases."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        raise StartError(f"cannot use {state_dir} as the state directory: {error.strerror}; give --state another directory") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise StartError(f"another broker is running on {state_dir}") from None
+        raise BrokerRunning(f"another broker is running on {state_dir}") from None
     return fd
 
 
+SOCKET_PATH_MAX = 107  # bytes: sun_path holds 108, the last a NUL
+
+
+NEW_STORE_ROOM = 2**20  # bytes free on the state directory's disk below which a new store is not made
+
+
+def open_store(config: Config) -> Store:
+    """The state store, or a StartError saying why it cannot be opened.
+
+    A new store is not made on a disk with less than NEW_STORE_ROOM free: LMDB maps its lock file, and on a
+    full disk touching that mapping kills the process with SIGBUS, saying nothing."""
+    if not (config.state_dir / "store" / "data.mdb").exists():
+        disk = os.statvfs(config.state_dir)
+        free = disk.f_bavail * disk.f_frsize
+        if free < NEW_STORE_ROOM:
+            raise StartError(
+                f"the disk of {config.state_dir} has {free} bytes free; a new state store needs at least {NEW_STORE_ROOM // 2**20} MiB"
+            )
+    try:
+        return Store(config.state_dir, config.store_size, config.events_kept)
+    except (lmdb.Error, OSError) as error:
+        raise StartError(f"cannot open the state store in {config.state_dir}: {error}; check store_size and the directory") from None
+
+
 def _free_socket(path: Path) -> None:
-    """Remove a stale socket left by a broker that died; refuse if a live one answers there."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
+    """Remove a stale socket left by a broker that died; refuse if a live one answers there, or if the path
+    is something other than a socket (a file there is never removed), or too long to be one."""
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        raise StartError(
+            f"the socket path {path} is {len(os.fsencode(path))} bytes; a Unix socket's is at most {SOCKET_PATH_MAX}: give a shorter --socket"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
         return
+    except OSError as error:
+        raise StartError(f"cannot make the socket {path}: {error.strerror}; give --socket another path") from None
+    if not stat.S_ISSOCK(mode):
+        raise StartError(f"{path} exists and is not a socket; give --socket another path")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(str(path))
@@ -68,6 +112,15 @@ def _free_socket(path: Path) -> None:
             path.unlink()
             return
     raise StartError(f"another broker answers on {path}; stop it or give --socket")
+
+
+def _same_file(path: Path, bound: os.stat_result | None) -> bool:
+    """Whether `path` is still the file `bound` describes (the socket this broker made, not a later broker's)."""
+    try:
+        now = path.lstat()
+    except OSError:
+        return False
+    return bound is not None and (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino)
 
 
 def _addr(text: str) -> tuple[str, int]:
@@ -236,10 +289,13 @@ async def serve(
     logging.getLogger("aiohttp.server").addFilter(_UNREADABLE)
     lock = lock_state(config.state_dir)
     try:
-        guard, tls = make_guard(config)
+        try:
+            guard, tls = make_guard(config)
+        except OSError as error:
+            raise StartError(f"cannot keep the API token in {config.state_dir}: {error.strerror}") from None
         if (join is not None or ask) and known_node_id(config.state_dir) is None:
             load_identity(config.state_dir)  # a joining node's leases carry the id it will have in the cluster
-        store = Store(config.state_dir, config.store_size, config.events_kept)
+        store = open_store(config)
         broker = Broker(config, store, probe or make_probe(config), node_id=known_node_id(config.state_dir))
         await broker.start()
         try:
@@ -249,11 +305,16 @@ async def serve(
             raise
         slot = MeshSlot(mesh)
         runner = web.AppRunner(make_app(broker, slot, guard), handler_cancellation=True, access_log=None)
+        bound: os.stat_result | None = None
         try:
             await runner.setup()
             sock_path = config.socket_path
             _free_socket(sock_path)
-            await web.UnixSite(runner, str(sock_path)).start()
+            try:
+                await web.UnixSite(runner, str(sock_path)).start()
+            except OSError as error:
+                raise StartError(f"cannot listen on {sock_path}: {error.strerror}; give --socket another path") from None
+            bound = sock_path.lstat()  # removed at the end only while it is still this one
             os.chmod(sock_path, 0o666)  # any local user may ask; the kernel tells us who they are
             host, _, port = config.listen.rpartition(":")
             try:
@@ -271,8 +332,9 @@ async def serve(
         finally:
             await runner.cleanup()
             await broker.close()
-            with contextlib.suppress(OSError):
-                config.socket_path.unlink()
+            if _same_file(config.socket_path, bound):
+                with contextlib.suppress(OSError):
+                    config.socket_path.unlink()
     finally:
         os.close(lock)
 

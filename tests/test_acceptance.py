@@ -152,6 +152,47 @@ def test_a_second_broker_on_the_same_state_refuses_to_start(broker_process: type
     assert "another broker is running on" in second.stderr
 
 
+def _up(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpubroker", "up", "--simulate-gpus", "1x24GiB", *args], capture_output=True, text=True, timeout=30
+    )
+
+
+def test_a_broker_refused_the_socket_another_answers_on_leaves_that_socket_alone(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    broker = broker_process("1x24GiB").start()
+    refused = _up("--state", str(tmp_path / "other"), "--socket", str(broker.socket), "--listen", "127.0.0.1:0")
+    assert refused.returncode == 2, refused.stderr
+    assert "another broker answers on" in refused.stderr
+    assert broker.client().call("GET", "/healthz")["ok"]  # its socket is still there, and still its own
+
+
+def test_up_refuses_what_it_cannot_use_in_one_line_and_removes_nothing(tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("kept\n")
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    a_dir = tmp_path / "adir"
+    a_dir.mkdir()
+    config = tmp_path / "huge.toml"
+    config.write_text('store_size = "99999TiB"\n')
+    state, sock = str(tmp_path / "state"), str(tmp_path / "api.sock")
+    for args, said in [
+        (["--state", state, "--socket", str(precious)], "exists and is not a socket"),
+        (["--state", state, "--socket", str(a_dir)], "exists and is not a socket"),
+        (["--state", state, "--socket", str(tmp_path / ("s" * 120))], "a Unix socket's is at most 107"),
+        (["--state", str(a_file), "--socket", sock], "cannot use"),
+        (["--state", state, "--socket", sock, "--config", str(config)], "cannot open the state store"),
+    ]:
+        refused = _up(*args, "--listen", "127.0.0.1:0")
+        assert (refused.returncode, "Traceback" in refused.stderr) == (2, False), refused.stderr
+        assert refused.stderr.startswith("gpubroker: "), refused.stderr
+        assert said in refused.stderr, refused.stderr
+    assert precious.read_text() == "kept\n"
+    assert a_dir.is_dir()
+
+
 def test_a_command_run_under_a_lease_gets_the_terminal_like_a_shell_job(broker_process: type[BrokerProcess]) -> None:
     import fcntl
     import os
