@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -68,6 +69,9 @@ def lock_state(state_dir: Path) -> int:
 SOCKET_PATH_MAX = 107  # bytes: sun_path holds 108, the last a NUL
 
 
+# Seconds a connection may stay open without a whole request: an idle keep-alive connection, or one whose
+# request never ends (without it, half-sent requests would hold their file descriptors for an hour).
+IDLE_CONNECTION_TIMEOUT = 30.0
 NEW_STORE_ROOM = 2**20  # bytes free on the state directory's disk below which a new store is not made
 
 
@@ -304,7 +308,9 @@ async def serve(
             await broker.close()
             raise
         slot = MeshSlot(mesh)
-        runner = web.AppRunner(make_app(broker, slot, guard), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            make_app(broker, slot, guard), handler_cancellation=True, access_log=None, keepalive_timeout=IDLE_CONNECTION_TIMEOUT
+        )
         bound: os.stat_result | None = None
         try:
             await runner.setup()
@@ -339,8 +345,19 @@ async def serve(
         os.close(lock)
 
 
+def raise_open_files_limit() -> None:
+    """Every connection holds a file descriptor: the soft limit (often 1024 from a shell) is raised to the
+    hard one, as servers do, so that many clients, or a careless one, do not run the broker out of them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 2**20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def run(config: Config, join: str | None = None, ask: bool = False) -> int:
     """`gpubroker up`: run in the foreground until SIGINT or SIGTERM."""
+    raise_open_files_limit()
 
     def ready(broker: Broker) -> None:
         gpus = len(broker.readings)

@@ -13,6 +13,7 @@ import contextlib
 import os
 import pwd
 import secrets
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -290,9 +291,20 @@ class Broker:
     # ----- reading the hardware -------------------------------------------
 
     async def _sample_loop(self) -> None:
+        said = None
         while True:
             await asyncio.sleep(self.config.sample_interval)
-            await self.sample()
+            try:
+                await self.sample()
+            except Exception as error:  # no file descriptor left, say: the readings go stale (and say so), the broker serves on
+                problem = f"{type(error).__name__}: {error}"
+                if problem != said:
+                    print(
+                        f"gpubroker: a sample of the GPUs and the host failed, and is tried again: {problem}", file=sys.stderr, flush=True
+                    )
+                said = problem
+            else:
+                said = None
 
     async def sample(self) -> None:
         """Read the GPUs and the host (in a thread), then act on what changed."""

@@ -735,3 +735,32 @@ async def test_the_budgets_a_release_changes_are_computed_again_before_it_is_ans
     await node.broker.release(lease["id"], TCP, token)
     assert node.broker._stale == set()  # the next request finds them ready: no budget to compute before deciding
     assert node.broker.budgets()[index].figures.leased == 0
+
+
+async def test_a_sample_that_fails_unexpectedly_leaves_the_broker_running_and_saying_so(
+    make_node: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = await make_node(sample_interval=0.1)
+    failing = [OSError(24, "Too many open files")] * 3
+
+    def sample() -> list[Any]:
+        if failing:
+            raise failing.pop()
+        return FakeGpuProbe.sample(node.probe)
+
+    node.probe.sample = sample  # type: ignore[method-assign]
+    running = asyncio.create_task(node.broker.run())
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not failing:
+                break
+        await asyncio.sleep(0.3)  # a sample that works again
+        assert not running.done()
+        assert not failing
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    said = capsys.readouterr().err
+    assert said.count("a sample of the GPUs and the host failed, and is tried again: OSError: [Errno 24] Too many open files") == 1

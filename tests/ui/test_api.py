@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket as sockets
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -279,3 +281,42 @@ def test_a_cluster_change_with_a_value_of_the_wrong_kind_is_an_invalid_request(b
     with pytest.raises(ClientError) as refused:
         broker.client().call("POST", path, body)  # root on the socket: an admin, so only the body is judged
     assert (refused.value.status, refused.value.code) == (400, "INVALID_REQUEST")
+
+
+async def test_a_connection_that_never_finishes_its_request_is_closed_and_the_file_limit_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half-sent requests must not hold their file descriptors for long (an hour, by aiohttp's default)."""
+    import asyncio
+    import resource
+
+    from conftest import free_port
+
+    from gpubroker import daemon
+    from gpubroker.config import Config
+
+    monkeypatch.setattr(daemon, "IDLE_CONNECTION_TIMEOUT", 0.5)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+        daemon.raise_open_files_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (hard if hard != resource.RLIM_INFINITY else 2**20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    port = free_port()
+    config = Config(
+        state_dir=tmp_path / "state", name="tower", socket=tmp_path / "api.sock", listen=f"127.0.0.1:{port}", simulate_gpus="1x24GiB"
+    )
+    ready = asyncio.Event()
+    serving = asyncio.create_task(daemon.serve(config, on_ready=lambda _: ready.set()))
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /v1/node HTTP/1.1\r\nHost: localhost\r\nX-Never: ")  # and no more
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the broker, well before the test's patience
+        writer.close()
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
