@@ -22,13 +22,14 @@ import lmdb
 import psutil
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from gpubroker.broker.nvml import NvmlProbe
 from gpubroker.broker.probes import GpuProbe, SimulatedProbe
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
-from gpubroker.ui.api import MeshSlot, allowed_hosts, make_app
+from gpubroker.ui.api import MeshSlot, allowed_hosts, make_app, unreadable_detail
 from gpubroker.ui.auth import Guard, Sessions, is_loopback, load_or_create_api_token
 
 if TYPE_CHECKING:
@@ -272,9 +273,9 @@ class _UnreadableRequests(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         problem = record.exc_info[1] if record.exc_info else None
-        if isinstance(problem, HttpProcessingError):
-            detail = (problem.message or str(problem)).strip().splitlines()
-            record.msg, record.args, record.exc_info = "refused a request it cannot read: %s", (detail[0] if detail else "",), None
+        # RequestPayloadError: a body the API could not read (and answered 400), whose rest aiohttp then failed to skip.
+        if isinstance(problem, HttpProcessingError | RequestPayloadError):
+            record.msg, record.args, record.exc_info = "refused a request it cannot read: %s", (unreadable_detail(problem),), None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
 

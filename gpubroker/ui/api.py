@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from aiohttp import web, web_protocol
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from gpubroker.broker.lease import ENDED, LIVE, Lease
 from gpubroker.broker.request import parse_request
@@ -79,15 +81,32 @@ def answer_unreadable_requests_in_one_shape() -> None:
         answer = original(self, request, status, exc, message)  # it logs the request, and refuses once an answer has begun
         if not 400 <= status < 500:
             return answer
-        said = (getattr(exc, "message", None) or str(exc or "") or message or "").strip().splitlines()  # the bytes, then a caret
-        what = said[0].rstrip(": ") if said else ""
-        error = InvalidRequest(f"the request cannot be read as HTTP: {_text(what or 'malformed')}", {"status": status}, status=status)
+        what = unreadable_detail(exc) if exc is not None else (message or "")
+        error = InvalidRequest(f"the request cannot be read as HTTP: {what or 'malformed'}", {"status": status}, status=status)
         shaped = _error(error)
         shaped.force_close()  # as aiohttp's own: what follows on this connection cannot be trusted
         return shaped
 
     handle_error.in_one_shape = True  # type: ignore[attr-defined]
     web_protocol.RequestHandler.handle_error = handle_error  # type: ignore[method-assign]
+
+
+def unreadable_detail(error: BaseException) -> str:
+    """What aiohttp says of a request it cannot read, fit for a message: the first line of its message (the
+    next ones quote the bytes and point at them), of the error it wraps if any, cut to MAX_KEPT characters."""
+    cause = error.__cause__ if isinstance(error, RequestPayloadError) and error.__cause__ is not None else error
+    said = getattr(cause, "message", None)
+    lines = [line for line in (said if isinstance(said, str) and said.strip() else str(cause)).splitlines() if line.strip()]
+    return str(_text(lines[0].strip().rstrip(":") if lines else type(cause).__name__))
+
+
+async def read_form(request: web.Request) -> Any:
+    """A form's fields, or INVALID_REQUEST when the body cannot be read as one (an unknown charset, bytes
+    that are not its text, a multipart body without its boundary)."""
+    try:
+        return await request.post()
+    except (ValueError, LookupError, AssertionError, RequestPayloadError, HttpProcessingError) as error:
+        raise InvalidRequest(f"the form cannot be read: {_text(str(error) or type(error).__name__)}") from None
 
 
 PAGE_PREFIXES = ("/v1/", "/fragment/", "/metrics", "/openapi.json", "/healthz")
@@ -110,6 +129,10 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
         return _refusal(request, error)
     except BrokerError as error:
         return _refusal(request, error)
+    except (RequestPayloadError, HttpProcessingError) as error:  # a body that cannot be read: bad compression, say
+        answer = _refusal(request, InvalidRequest(f"the request body cannot be read: {unreadable_detail(error)}", {}))
+        answer.force_close()  # what is left of the body cannot be skipped: the connection ends with this answer
+        return answer
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[CONFIG].max_body
         return _refusal(
@@ -206,7 +229,10 @@ def _check_origin(request: web.Request) -> None:
         return
     origin = request.headers.get("Origin")
     host = request.headers.get("Host", "")
-    sent_from = urlsplit(origin.lower()) if origin is not None else None
+    try:
+        sent_from = urlsplit(origin.lower()) if origin is not None else None
+    except ValueError:  # `http://[`: no origin of this broker's
+        sent_from = urlsplit("unreadable://")
     if request.headers.get("Sec-Fetch-Site") == "cross-site" or (
         sent_from is not None and (sent_from.scheme, sent_from.netloc) != (request.scheme, host.lower())
     ):
@@ -237,7 +263,7 @@ async def _authenticate(request: web.Request) -> None:
     if request.method in CHANGES:
         csrf = request.headers.get(CSRF_HEADER)
         if csrf is None and request.content_type == "application/x-www-form-urlencoded":
-            field = (await request.post()).get(CSRF_FIELD)
+            field = (await read_form(request)).get(CSRF_FIELD)
             csrf = field if isinstance(field, str) else None
         if not guard.csrf_matches(session, csrf):
             raise Forbidden(f"a change from the web UI needs its CSRF token ({CSRF_HEADER}); reload the page and try again", {})

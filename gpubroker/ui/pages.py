@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gpubroker.errors import FailureCode, NotFound
 from gpubroker.gossip.documents import external_by_name
-from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, cluster_view
+from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, cluster_view, read_form
 from gpubroker.ui.auth import CSRF_FIELD, SESSION_COOKIE, verify_password
 from gpubroker.ui.stream import EVENT_TYPES
 from gpubroker.units import rfc3339
@@ -541,7 +541,7 @@ async def login_form(request: web.Request) -> web.Response:
 
 async def login(request: web.Request) -> web.Response:
     guard = request.app[GUARD]
-    form = await request.post()
+    form = await read_form(request)
     password, target = form.get("password"), form.get("next")
     if guard.password_hash is None:
         return login_page(request, 403, "this node has no UI password (ui_password_hash): there is nothing to sign in to")

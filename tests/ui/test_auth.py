@@ -374,3 +374,31 @@ async def test_ids_from_other_nodes_documents_are_quoted_in_the_urls_of_buttons(
 
 def cluster_view_alone(broker: Broker) -> dict[str, Any]:
     return {"id": broker.node_id, "name": broker.config.name, "state": "alive", "age": 0.0, **broker.node_json()}
+
+
+async def test_bodies_and_headers_that_cannot_be_read_get_the_one_error_shape_never_a_500(
+    guarded: tuple[TestClient[Any, Any], Broker],
+) -> None:
+    client, broker = guarded
+    garbage = b"\x00not compressed at all" * 4
+    for encoding in ("deflate", "gzip", "br"):
+        answer = await client.post("/v1/leases", data=garbage, headers={"Content-Encoding": encoding, "Authorization": f"Bearer {TOKEN}"})
+        assert await error_of(answer) == (400, "INVALID_REQUEST"), encoding
+    for origin in ("http://[", "http://[::1", "http://a:b:c"):
+        answer = await client.post("/v1/leases", json={"cpu_cores": 1}, headers={"Origin": origin})
+        assert await error_of(answer) == (403, "FORBIDDEN"), origin
+    for content_type, body in [
+        ("application/x-www-form-urlencoded; charset=bogus", b"password=a"),
+        ("multipart/form-data", b"x"),
+        ("multipart/form-data; boundary=zz", b"--zz\r\nbroken"),
+        ("application/x-www-form-urlencoded; charset=utf-8", b"password=\xff\xfe"),
+    ]:
+        answer = await client.post("/login", data=body, headers={"Content-Type": content_type})
+        assert await error_of(answer) == (400, "INVALID_REQUEST"), content_type
+    csrf = await sign_in(client)
+    assert csrf
+    answer = await client.delete(
+        "/v1/leases/l-000000000000", data=b"csrf=\xff\xfe", headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
+    assert await error_of(answer) == (400, "INVALID_REQUEST")
+    assert broker.list_leases(None, 10) == []
