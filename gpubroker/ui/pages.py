@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import datetime
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
 
 from aiohttp import web
@@ -27,7 +28,20 @@ from gpubroker.ui.stream import EVENT_TYPES
 from gpubroker.units import rfc3339
 
 STATIC = Path(__file__).parent / "static"
-LOGIN_LOCK = web.AppKey("login_lock", asyncio.Lock)
+
+
+@dataclass(slots=True)
+class SignIns:
+    """Guesses at the UI password: checked one at a time (scrypt makes each cost tens of milliseconds), and at most
+    WAITING at once, the one being checked included; more are refused at once, so a flood of wrong guesses can
+    neither queue up in front of the right one nor pile up in memory."""
+
+    WAITING: ClassVar[int] = 4
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting: int = 0
+
+
+SIGN_INS = web.AppKey("sign_ins", SignIns)
 GIB = 2**30
 FIGURES = ("total", "observed", "external", "resident", "leased", "reserve", "schedulable")
 EVENTS_SHOWN = 200  # newest first; older ones are in /v1/events
@@ -545,9 +559,20 @@ async def login(request: web.Request) -> web.Response:
     password, target = form.get("password"), form.get("next")
     if guard.password_hash is None:
         return login_page(request, 403, "this node has no UI password (ui_password_hash): there is nothing to sign in to")
-    async with request.app[LOGIN_LOCK]:  # one guess at a time: scrypt makes each cost tens of milliseconds
-        right = isinstance(password, str) and await asyncio.to_thread(verify_password, password, guard.password_hash)
+    sign_ins = request.app[SIGN_INS]
+    if sign_ins.waiting >= SignIns.WAITING:
+        _sign_in_refused(request, "too many at once")
+        answer = login_page(request, 429, "too many sign-in attempts at once; try again in a few seconds")
+        answer.headers["Retry-After"] = "2"
+        return answer
+    sign_ins.waiting += 1
+    try:
+        async with sign_ins.lock:
+            right = isinstance(password, str) and await asyncio.to_thread(verify_password, password, guard.password_hash)
+    finally:
+        sign_ins.waiting -= 1
     if not right:
+        _sign_in_refused(request, "wrong password")
         await asyncio.sleep(0.2)
         return login_page(request, 401, "wrong password")
     session = guard.sessions.create()
@@ -555,6 +580,19 @@ async def login(request: web.Request) -> web.Response:
     answer.set_cookie(SESSION_COOKIE, session.id, httponly=True, samesite="Strict", secure=guard.tls, path="/")
     request.app[BROKER].record_event("ui.signed_in", f"someone signed in to the web UI of {request.app[CONFIG].name}", details={})
     raise answer
+
+
+def _sign_in_refused(request: web.Request, why: str) -> None:
+    """A refused sign-in is kept as an event, within the rate every refusal's event is kept at (SPEC §3.6)."""
+    broker = request.app[BROKER]
+    details = broker.refusals.keep({"reason": why, "path": "/login"})
+    if details is not None:
+        broker.record_event(
+            "ui.sign_in.refused",
+            f"a sign-in to the web UI of {broker.config.name} was refused: {why}",
+            code=FailureCode.UNAUTHORIZED,
+            details=details,
+        )
 
 
 async def logout(request: web.Request) -> web.Response:
@@ -582,7 +620,7 @@ def add_routes(app: web.Application) -> None:
     for name, (path, _, _) in PAGES.items():
         app.router.add_get(path, _page(name))
     app.router.add_get("/fragment/{page}", fragment)
-    app[LOGIN_LOCK] = asyncio.Lock()
+    app[SIGN_INS] = SignIns()
     app.router.add_get("/login", login_form)
     app.router.add_post("/login", login)
     app.router.add_post("/logout", logout)

@@ -14,6 +14,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +31,7 @@ from fakes import GIB, FakeClock, FakeGpuProbe
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config, ConfigError, load_config
-from gpubroker.ui import stream
+from gpubroker.ui import pages, stream
 from gpubroker.ui.api import MESH, make_app
 from gpubroker.ui.auth import (
     SESSION_COOKIE,
@@ -43,6 +44,7 @@ from gpubroker.ui.auth import (
     parse_hash,
     verify_password,
 )
+from gpubroker.ui.pages import SignIns
 
 PASSWORD = "correct horse battery"
 TOKEN = "node-api-token-for-tests"
@@ -402,3 +404,29 @@ async def test_bodies_and_headers_that_cannot_be_read_get_the_one_error_shape_ne
     )
     assert await error_of(answer) == (400, "INVALID_REQUEST")
     assert broker.list_leases(None, 10) == []
+
+
+async def test_refused_sign_ins_are_events_and_a_flood_of_them_is_refused_at_once_not_queued(
+    guarded: tuple[TestClient[Any, Any], Broker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, broker = guarded
+    checked: list[str] = []
+
+    def slow_verify(password: str, password_hash: str) -> bool:
+        checked.append(password)
+        time.sleep(0.3)  # a guess takes a while to check, as scrypt's do
+        return verify_password(password, password_hash)
+
+    monkeypatch.setattr(pages, "verify_password", slow_verify)
+    flood = await asyncio.gather(*(client.post("/login", data={"password": f"guess{i}"}, allow_redirects=False) for i in range(30)))
+    statuses = sorted(answer.status for answer in flood)
+    assert set(statuses) == {401, 429}
+    assert statuses.count(401) == len(checked) <= SignIns.WAITING  # the rest were never queued
+    assert all(answer.headers.get("Retry-After") == "2" for answer in flood if answer.status == 429)
+    right = await client.post("/login", data={"password": PASSWORD}, allow_redirects=False)
+    assert right.status == 303
+    await broker.store.commit([])  # the events handed over before now are on disk
+    refused = [e for e in broker.events(0, 1000)[0] if e["type"] == "ui.sign_in.refused"]
+    assert {e["details"]["reason"] for e in refused} == {"wrong password", "too many at once"}
+    assert all(e["code"] == "UNAUTHORIZED" for e in refused)
+    assert len(refused) + sum(e["details"].get("not_kept_before", 0) for e in refused) == 30
