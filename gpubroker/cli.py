@@ -20,7 +20,7 @@ from gpubroker import __version__
 from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
-from gpubroker.units import gib
+from gpubroker.units import gib, printable_text
 
 FOREVER = 10 * 365 * 86400
 
@@ -124,7 +124,7 @@ def _request_body(args: argparse.Namespace, bind: str) -> dict[str, Any]:
         holder["name"] = args.name
     if bind == "caller":
         holder["pid"] = os.getpid()  # the Unix socket replaces it with the kernel's word
-        holder.setdefault("name", os.path.basename(args.command[0]))
+        holder.setdefault("name", printable_text(os.path.basename(args.command[0]))[:256])
     if holder:
         body["holder"] = holder
     if args.label:

@@ -116,7 +116,11 @@ def gib(size: int | None) -> str:
     return f"{size / 2**30:.1f}"
 
 
-def utf8_text(text: str) -> str:
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0 and C1 control characters, DEL among them
+
+
+def printable_text(text: str) -> str:
     """Text fit to store and print: a lone surrogate (a name psutil read from bytes that are not UTF-8,
-    or a JSON escape) becomes its escape, since one such string would fail every write beside it."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    or a JSON escape) becomes its escape, since one such string would fail every write beside it, and so
+    does a control character, which would act on the terminal that prints it (ESC clears it; CR, LF forge lines)."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text.encode("utf-8", "backslashreplace").decode("utf-8"))

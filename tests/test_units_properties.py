@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gpubroker.ui.openapi import OPENAPI
-from gpubroker.units import MAX_BYTES, MAX_SECONDS, UnitError, parse_duration, parse_size, parse_time, rfc3339
+from gpubroker.units import CONTROL, MAX_BYTES, MAX_SECONDS, UnitError, parse_duration, parse_size, parse_time, printable_text, rfc3339
 
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -317,3 +317,17 @@ def test_every_time_parse_time_accepts_can_be_printed_back(text: str) -> None:
     except UnitError:
         return
     assert rfc3339(moment)
+
+
+@given(st.text(st.characters(), max_size=40))
+def test_printable_text_holds_no_control_character_and_always_encodes(text: str) -> None:
+    """What a process calls itself, or a refused caller sent, is stored and printed: never a raw ESC, CR or LF."""
+    shown = printable_text(text)
+    assert not CONTROL.search(shown)
+    shown.encode("utf-8")  # no lone surrogate left
+    if not CONTROL.search(text) and not any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        assert shown == text  # printable text is left as it is
+
+
+def test_printable_text_writes_control_characters_as_their_escapes() -> None:
+    assert printable_text("evil\x1b[2J\nforged\r\x85") == "evil\\x1b[2J\\x0aforged\\x0d\\x85"

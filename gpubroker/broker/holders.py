@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import psutil
 
-from gpubroker.units import utf8_text
+from gpubroker.units import printable_text
 
 
 def start_time(pid: int) -> float | None:
@@ -23,7 +23,7 @@ def start_time(pid: int) -> float | None:
 
 def process_name(pid: int) -> str | None:
     try:
-        return utf8_text(psutil.Process(pid).name())  # a process may name itself with any bytes
+        return printable_text(psutil.Process(pid).name())  # a process may name itself with any bytes
     except psutil.Error:
         return None
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import psutil
 
-from gpubroker.units import UnitError, parse_size, utf8_text
+from gpubroker.units import UnitError, parse_size, printable_text
 
 
 class ProbeError(Exception):
@@ -59,7 +59,7 @@ def describe_process(pid: int) -> tuple[str, int | None, tuple[int, ...]]:
     """Name, process group and ancestor pids of a local process; empty when it is gone."""
     try:
         process = psutil.Process(pid)
-        name = utf8_text(process.name())  # a process may name itself with any bytes
+        name = printable_text(process.name())  # a process may name itself with any bytes
         pgid = os.getpgid(pid)
         ancestors = tuple(parent.pid for parent in process.parents())
     except (psutil.Error, ProcessLookupError, PermissionError):

@@ -7,7 +7,7 @@ from typing import Any
 
 from gpubroker.config import CLASSES
 from gpubroker.errors import InvalidRequest
-from gpubroker.units import UnitError, parse_duration, parse_size, parse_time
+from gpubroker.units import CONTROL, UnitError, parse_duration, parse_size, parse_time
 
 PREEMPTIONS = ("never", "drain", "interrupt")
 BINDS = ("caller", "none")
@@ -75,6 +75,8 @@ def _text(value: Any, name: str, *, empty: bool = False) -> str:
         raise _invalid(name, f"must be a {'' if empty else 'non-empty '}string of at most {MAX_TEXT} characters")
     if not _encodes(value):
         raise _invalid(name, "must be UTF-8 text")
+    if CONTROL.search(value):  # it is printed, in events, listings and terminals
+        raise _invalid(name, "must be printable text, without control characters")
     return value
 
 

@@ -25,7 +25,7 @@ from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest
 from gpubroker.ui.auth import CHANGES, CSRF_FIELD, CSRF_HEADER, OPEN_PATHS, SESSION_COOKIE, Guard, Session, Sessions, is_loopback
 from gpubroker.ui.metrics import Metrics
 from gpubroker.ui.openapi import OPENAPI
-from gpubroker.units import UnitError, parse_duration, utf8_text
+from gpubroker.units import UnitError, parse_duration, printable_text
 
 if TYPE_CHECKING:
     from gpubroker.gossip.mesh import Mesh
@@ -182,7 +182,7 @@ def _text(value: Any, limit: int = MAX_KEPT) -> Any:
     """What a refused caller sent, fit to keep: each string cut to `limit` characters (its event must stay
     small), a lone surrogate (from JSON's escapes or a header's bytes) written as its escape."""
     if isinstance(value, str):
-        return utf8_text(value[:limit]) + ("…" if len(value) > limit else "")
+        return printable_text(value[:limit]) + ("…" if len(value) > limit else "")
     if isinstance(value, dict):
         return {_text(k): _text(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -69,8 +69,16 @@ def _seconds(value: Any) -> float | None:
         return None
 
 
-def _text(value: Any) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= MAX_TEXT
+PRINTABLE = st.characters(exclude_categories=("Cc", "Cs"))  # what names and labels may hold: no control character
+
+
+def _text(value: Any, empty: bool = False) -> bool:
+    """A name or label as the contract has it: a string of at most MAX_TEXT characters, none of them a control character."""
+    return isinstance(value, str) and (empty or len(value) > 0) and len(value) <= MAX_TEXT and not any(_control(c) for c in value)
+
+
+def _control(character: str) -> bool:
+    return ord(character) < 0x20 or 0x7F <= ord(character) <= 0x9F
 
 
 def _count(value: Any, high: int) -> bool:
@@ -120,11 +128,7 @@ def problems(body: dict[str, Any]) -> set[str]:
         if name in body and body[name] not in choices:
             found.add(name)
     labels = body.get("labels", {})
-    if (
-        not isinstance(labels, dict)
-        or len(labels) > MAX_LABELS
-        or not all(_text(k) and isinstance(v, str) and len(v) <= MAX_TEXT for k, v in labels.items())
-    ):
+    if not isinstance(labels, dict) or len(labels) > MAX_LABELS or not all(_text(k) and _text(v, empty=True) for k, v in labels.items()):
         found.add("labels")
     return found
 
@@ -198,7 +202,7 @@ def meaningful_bodies(draw: st.DrawFn) -> dict[str, Any]:
     if kind != "host" and draw(st.booleans()):
         body["gpus"] = draw(st.integers(1, MAX_GPUS))
     if kind != "host" and body.get("gpus", 1) == 1 and draw(st.booleans()):
-        body["gpu"] = draw(st.one_of(st.integers(0, MAX_GPUS - 1), st.text(min_size=1, max_size=MAX_TEXT)))
+        body["gpu"] = draw(st.one_of(st.integers(0, MAX_GPUS - 1), st.text(PRINTABLE, min_size=1, max_size=MAX_TEXT)))
     if kind == "host" or draw(st.booleans()):
         body["cpu_cores"] = draw(st.integers(1 if kind == "host" else 0, MAX_CORES))
     if draw(st.booleans()):
@@ -209,9 +213,11 @@ def meaningful_bodies(draw: st.DrawFn) -> dict[str, Any]:
         "ttl": st.one_of(st.integers(1, 10**6), st.sampled_from(["1s", "1500ms", "10m", "1h", "2.5h"])),
         "wait": st.one_of(st.integers(0, 10**6), st.sampled_from(["0", "500ms", "30s", "10m"])),
         "deadline": st.sampled_from(["2026-11-30T10:00:00Z", "2026-11-30T10:00:00.250+01:00", "1999-01-01T00:00:00-05:00"]),
-        "holder": st.fixed_dictionaries({}, optional={"name": st.text(min_size=1, max_size=MAX_TEXT), "pid": st.integers(1, 2**22 - 1)}),
+        "holder": st.fixed_dictionaries(
+            {}, optional={"name": st.text(PRINTABLE, min_size=1, max_size=MAX_TEXT), "pid": st.integers(1, 2**22 - 1)}
+        ),
         "bind": st.sampled_from(BINDS),
-        "labels": st.dictionaries(st.text(min_size=1, max_size=20), st.text(max_size=MAX_TEXT), max_size=MAX_LABELS),
+        "labels": st.dictionaries(st.text(PRINTABLE, min_size=1, max_size=20), st.text(PRINTABLE, max_size=MAX_TEXT), max_size=MAX_LABELS),
     }
     for name, strategy in optional.items():
         if draw(st.booleans()):

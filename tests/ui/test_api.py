@@ -320,3 +320,22 @@ async def test_a_connection_that_never_finishes_its_request_is_closed_and_the_fi
         serving.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await serving
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"cpu_cores": 1, "holder": {"name": "evil\u001b[2J"}}, "holder.name"),
+        ({"cpu_cores": 1, "holder": {"name": "a\nlease l-000 released by root"}}, "holder.name"),
+        ({"cpu_cores": 1, "labels": {"k": "v\r"}}, "labels"),
+        ({"cpu_cores": 1, "labels": {"\u0085": "v"}}, "labels"),
+    ],
+)
+def test_a_name_or_label_with_a_control_character_is_refused_so_no_terminal_prints_one(
+    broker: BrokerProcess, body: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ClientError) as refused:
+        broker.client().call("POST", "/v1/leases", body)
+    assert (refused.value.code, refused.value.details["field"]) == ("INVALID_REQUEST", field)
+    assert "control characters" in refused.value.message
+    assert broker.client().call("GET", "/v1/leases")["leases"] == []
