@@ -337,6 +337,7 @@ async def serve(
                 elif ask:
                     group.create_task(_ask_then_mesh(config, broker, slot))
         finally:
+            broker.stop_waiting()  # before the server waits for its handlers: a waiting request's may wait forever
             await runner.cleanup()
             await broker.close()
             if _same_file(config.socket_path, bound):

@@ -247,3 +247,30 @@ def test_token_with_a_mistyped_state_directory_makes_nothing(tmp_path: Path) -> 
     assert answer.returncode == 2
     assert "no state directory" in answer.stderr
     assert not typo.exists()
+
+
+def test_a_stopped_broker_answers_its_waiting_requests_at_once_and_exits_promptly(broker_process: type[BrokerProcess]) -> None:
+    """SIGTERM (systemd's stop) with a request waiting forever: the broker must not hang until the wait ends."""
+    import threading
+
+    broker = broker_process("1x8GiB").start()
+    client = broker.client()
+    client.call("POST", "/v1/leases", {"gpu_memory": "7GiB", "bind": "none"})
+    answers: list[ClientError] = []
+
+    def wait_forever() -> None:
+        try:
+            client.call("POST", "/v1/leases", {"gpu_memory": "1GiB", "wait": "1000h", "bind": "none"})
+        except ClientError as error:
+            answers.append(error)
+
+    waiting = threading.Thread(target=wait_forever)
+    waiting.start()
+    wait_for(lambda: len(client.call("GET", "/v1/leases", query={"state": "queued"})["leases"]) == 1, 10)
+    assert broker.proc is not None
+    broker.proc.terminate()
+    assert broker.proc.wait(10) == 0  # far sooner than the wait, and than systemd's TimeoutStopSec
+    waiting.join(10)
+    (stopped,) = answers
+    assert (stopped.code, stopped.details.get("stopping")) == ("LEASE_TIMEOUT", True)
+    assert "is stopping; ask again once it is back" in stopped.message

@@ -268,9 +268,24 @@ class Broker:
             group.create_task(self._sample_loop())
             group.create_task(self._expiry_loop())
 
+    def stop_waiting(self) -> None:
+        """The broker is stopping: every waiting request is answered now, not when its wait runs out (which
+        may be never), and says why; its client may ask again once the broker is back."""
+        stopping = [w for w in self.waiters if w.lease is None and not w.granted.done()]
+        self.waiters[:] = [w for w in self.waiters if w not in stopping]  # none is granted in the room of another
+        for waiter in stopping:
+            refusal = Refusal(
+                FailureCode.LEASE_TIMEOUT,
+                f"request {waiter.id} was not granted: the broker on node {self.config.name} is stopping; ask again once it is back",
+                {"lease": waiter.id, "stopping": True},
+            )
+            waiter.granted.set_exception(self._refused(waiter.request, refusal))
+            waiter.granted.exception()  # retrieved: the waiting handler answers with it
+
     async def close(self) -> None:
         """Wait for pending durable work, then stop the writer; idempotent."""
-        for waiter in self.waiters:
+        self.stop_waiting()
+        for waiter in self.waiters:  # granted in memory, being made durable: their handlers see it through
             if not waiter.granted.done():
                 waiter.granted.cancel()
         self.waiters.clear()
