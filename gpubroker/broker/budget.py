@@ -26,11 +26,6 @@ class Figures:
     reserve: int
     schedulable: int
 
-    @property
-    def shortfall(self) -> int:
-        """How far external usage has grown into leased or reserved memory (> 0 is pressure)."""
-        return self.external + self.resident + self.leased + self.reserve - self.total
-
     def to_json(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in FIGURES}
 
@@ -77,8 +72,16 @@ class Budget:
         return [lease for lease, _ in self.held.held.values()]
 
     @property
+    def shortfall(self) -> int:
+        """How far external usage has grown into leased or reserved memory (> 0 is pressure): into what the leases
+        declared, not what they use (a lease using more than it declared is over-declared, not pressed), and never
+        more than the external usage itself (a GPU smaller than its reserve, with nothing else on it, is not pressed)."""
+        f = self.figures
+        return min(f.external, f.external + f.resident + self.held.declared + f.reserve - f.total)
+
+    @property
     def pressure(self) -> bool:
-        return self.figures.shortfall > 0
+        return self.shortfall > 0
 
     @property
     def exclusive_holder(self) -> str | None:
@@ -116,7 +119,10 @@ class Budget:
             "processes": [
                 {"pid": p.process.pid, "name": p.process.name, "bytes": p.process.bytes, "lease": p.lease} for p in self.processes
             ],
-            "leases": [{"id": lease.id, "holder": lease.holder.name, "bytes": lease.bytes_on(self.reading.index)} for lease in self.leases],
+            "leases": [
+                {"id": lease.id, "holder": lease.holder.name, "bytes": declared, "used": self.usage.get(lease.id, 0)}
+                for lease, declared in self.held.held.values()
+            ],
         }
 
 

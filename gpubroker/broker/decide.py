@@ -56,7 +56,10 @@ def _figures(budget: Budget) -> dict[str, Any]:
         "index": budget.reading.index,
         "figures": budget.figures.to_json(),
         "external_processes": budget.external_by_name(),
-        "leases": [{"id": lease.id, "holder": lease.holder.name, "bytes": lease.bytes_on(budget.reading.index)} for lease in budget.leases],
+        "leases": [
+            {"id": lease.id, "holder": lease.holder.name, "bytes": declared, "used": budget.usage.get(lease.id, 0)}
+            for lease, declared in budget.held.held.values()
+        ],
     }
 
 
@@ -112,10 +115,12 @@ def place(
     large_enough = [b for b in usable if request.gpu_memory <= b.figures.total - b.figures.reserve]
     if len(large_enough) < request.gpus:  # it cannot fit even on an empty GPU: waiting would never end
         largest = max(usable, key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index))
+        most = largest.figures.total - largest.figures.reserve
+        asked = "the whole GPU" if request.exclusive else f"{gib(request.gpu_memory)} GiB"
         return Refusal(
             FailureCode.CAPABILITY_UNAVAILABLE,
-            f"{gib(request.gpu_memory)} GiB asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
-            f"the largest here, {largest.label()}, can lease at most {gib(largest.figures.total - largest.figures.reserve)} GiB "
+            f"{asked} asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
+            f"the largest here, {largest.label()}, can lease {f'at most {gib(most)} GiB' if most > 0 else 'nothing'} "
             f"(its total less the {gib(largest.figures.reserve)} GiB reserve)",
             {"need": request.gpu_memory, "need_gpus": request.gpus, **_figures(largest)},
         )

@@ -355,7 +355,7 @@ class Broker:
                 writes.append(
                     self._event(
                         "gpu.pressure.started",
-                        f"{budget.explain()}: external usage has grown {gib(budget.figures.shortfall)} GiB into leased or reserved memory",
+                        f"{budget.explain()}: external usage has grown {gib(budget.shortfall)} GiB into leased or reserved memory",
                         code=FailureCode.EXTERNAL_GPU_PRESSURE,
                         gpu=gpu,
                         details={"figures": budget.figures.to_json(), "external_processes": budget.external_by_name()},

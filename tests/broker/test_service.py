@@ -455,6 +455,41 @@ async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_
     assert over[0]["details"] == {"declared": 10 * GIB, "observed": 12 * GIB}
 
 
+async def test_a_lease_using_more_than_it_declared_is_not_external_pressure(make_node: Callable[..., Any]) -> None:
+    """EXTERNAL_GPU_PRESSURE is external usage growing into leased or reserved memory (SPEC §3.6): a lease's own
+    processes overusing its room leave no room, and the refusal names that lease, not outside usage."""
+    node = await make_node([12 * GIB])
+    lease, _ = await node.ask(gpu_memory="2GiB", holder={"name": "hog", "pid": 4243})
+    node.probe.processes[0] = [GpuProcess(4243, "hog", 23 * GIB // 2)]
+    await node.sample()
+    gpu = node.gpu()
+    assert (gpu["figures"]["external"], gpu["figures"]["leased"], gpu["figures"]["schedulable"]) == (0, 23 * GIB // 2, 0)
+    assert gpu["pressure"] is False
+    assert gpu["leases"] == [{"id": lease["id"], "holder": "hog", "bytes": 2 * GIB, "used": 23 * GIB // 2}]
+    assert await node.events("gpu.pressure.started") == []
+    error = await node.refused(gpu_memory="256MiB")
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert "11.5 leased" in error.message
+    assert error.details["leases"] == gpu["leases"]  # what each lease declared and what its processes use
+    node.probe.external(0, GIB)  # 1 GiB outside fits beside the 2 GiB declared and the 1 GiB reserve: still no pressure
+    await node.sample()
+    assert node.gpu()["pressure"] is False
+
+
+async def test_a_gpu_smaller_than_the_reserve_is_not_pressed_and_says_it_can_lease_nothing(make_node: Callable[..., Any]) -> None:
+    node = await make_node([GIB // 2])
+    assert node.gpu()["pressure"] is False
+    assert await node.events("gpu.pressure.started") == []
+    for body in ({"gpu_memory": "100MiB"}, {"exclusive": True}):
+        error = await node.refused(**body)
+        assert error.code is FailureCode.CAPABILITY_UNAVAILABLE
+        assert "can lease nothing (its total less the 1.0 GiB reserve)" in error.message
+    assert "the whole GPU asked for" in (await node.refused(exclusive=True)).message
+    node.probe.external(0, GIB // 4)  # external usage inside reserved memory: that is pressure
+    await node.sample()
+    assert node.gpu()["pressure"] is True
+
+
 async def test_a_process_list_the_driver_cannot_give_leaves_memory_unattributed(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     node.probe.external(0, 3 * GIB)
