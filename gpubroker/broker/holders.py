@@ -28,6 +28,17 @@ def process_name(pid: int) -> str | None:
         return None
 
 
+def holds_the_broker(pid: int) -> bool:
+    """Whether `pid` is this broker or one of its ancestors (pid 1 among them): the descendants of such a
+    process are most of the machine's, so no lease may be held in its name by a caller who merely names it."""
+    if pid in (1, os.getpid()):
+        return True
+    try:
+        return any(parent.pid == pid for parent in psutil.Process().parents())
+    except psutil.Error:
+        return False
+
+
 def is_same_process(pid: int, started: float | None) -> bool:
     """Whether `pid` is still the process that started at `started` (a reused pid is not)."""
     now = start_time(pid)

@@ -489,6 +489,12 @@ class Broker:
         if caller.transport == "unix" and caller.pid is not None:
             holder.pid, holder.uid = caller.pid, caller.uid
         elif request.holder_pid is not None:
+            if holders.holds_the_broker(request.holder_pid):
+                raise InvalidRequest(
+                    f"holder.pid {request.holder_pid} is this broker or one of its ancestors, whose descendants are most of this "
+                    "machine's processes: give the pid of the process that holds the lease",
+                    {"field": "holder.pid"},
+                )
             holder.pid = request.holder_pid
         bind = request.bind or ("caller" if caller.transport == "unix" else "none")
         if holder.pid is not None and bind == "caller":

@@ -799,3 +799,14 @@ async def test_a_sample_that_fails_unexpectedly_leaves_the_broker_running_and_sa
             await running
     said = capsys.readouterr().err
     assert said.count("a sample of the GPUs and the host failed, and is tried again: OSError: [Errno 24] Too many open files") == 1
+
+
+async def test_a_holder_pid_naming_the_broker_or_its_ancestors_is_refused(make_node: Callable[..., Any]) -> None:
+    """Their descendants are most of the machine's processes: a lease held in their name would take all that
+    memory out of `external`, and blind the pressure check."""
+    node = await make_node()
+    for pid in (1, os.getpid(), os.getppid()):
+        for bind in ("caller", "none"):
+            error = await node.refused(gpu_memory="1GiB", bind=bind, holder={"pid": pid})
+            assert (error.code, error.details) == (FailureCode.INVALID_REQUEST, {"field": "holder.pid"}), (pid, bind)
+    assert node.broker.list_leases(None, 10) == []
