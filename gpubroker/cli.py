@@ -68,7 +68,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for gpu in node["gpus"]:
         f = gpu["figures"]
         pressure = "  EXTERNAL PRESSURE" if gpu.get("pressure") else ""
-        print(f"GPU {gpu['index']}  {gpu['name']}  {gpu['uuid']}{pressure}")
+        stale = f"  STALE (read {gpu['age']:.1f}s ago: no decision is made on it)" if gpu.get("stale") else ""
+        print(f"GPU {gpu['index']}  {gpu['name']}  {gpu['uuid']}{pressure}{stale}")
         print(
             "  "
             + "  ".join(

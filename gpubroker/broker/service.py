@@ -448,7 +448,19 @@ class Broker:
     def host_budget(self) -> HostBudget:
         return HostBudget(self.host.cores, self._leased_cores, self.host.memory, self._leased_memory)
 
+    def _gpu_json(self, budget: Budget, now: float) -> dict[str, Any]:
+        """A GPU's budget, with how old its reading is: past `staleness`, no decision is made on it."""
+        age = max(0.0, now - budget.reading.observed_at)
+        return {**budget.to_json(), "age": round(age, 3), "stale": age > self.config.staleness}
+
+    @property
+    def stale(self) -> bool:
+        """Whether any GPU's reading is too old to decide on (the probe has stopped answering, say)."""
+        now = self.clock.now()
+        return any(now - budget.reading.observed_at > self.config.staleness for budget in self.budgets())
+
     def node_json(self) -> dict[str, Any]:
+        now = self.clock.now()
         return {
             "node": {
                 "id": self.node_id,
@@ -456,7 +468,7 @@ class Broker:
                 "production_eligible": self.config.production_eligible,
                 "version": __version__,
             },
-            "gpus": [budget.to_json() for budget in self.budgets()],
+            "gpus": [self._gpu_json(budget, now) for budget in self.budgets()],
             "driver_error": self.driver_error,
             **self.host_budget().to_json(),
             "queue": {name: sum(1 for w in self.waiters if w.request.priority == name) for name in CLASSES},
@@ -725,6 +737,9 @@ class Broker:
         except TimeoutError:
             if waiter.lease is not None:  # granted in the same instant: being made durable
                 return await waiter.granted
+            now = self._place(request, self._claimed_ahead(waiter))  # why it waits now: ages and figures move on
+            if isinstance(now, Refusal):
+                waiter.reason = now.message
             self._drop_waiter(waiter)
             if request.deadline is not None and until >= request.deadline:
                 refusal = Refusal(

@@ -525,7 +525,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    return web.json_response({"ok": True, "node": broker.node_id, "driver_error": broker.driver_error})
+    return web.json_response({"ok": True, "node": broker.node_id, "driver_error": broker.driver_error, "stale": broker.stale})
 
 
 async def openapi(request: web.Request) -> web.Response:

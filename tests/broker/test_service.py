@@ -810,3 +810,16 @@ async def test_a_holder_pid_naming_the_broker_or_its_ancestors_is_refused(make_n
             error = await node.refused(gpu_memory="1GiB", bind=bind, holder={"pid": pid})
             assert (error.code, error.details) == (FailureCode.INVALID_REQUEST, {"field": "holder.pid"}), (pid, bind)
     assert node.broker.list_leases(None, 10) == []
+
+
+async def test_a_stale_reading_is_shown_as_stale_and_a_wait_that_ends_on_it_says_its_age_then(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    assert (node.gpu()["stale"], node.gpu()["age"], node.broker.stale) == (False, 0.0, False)
+    node.clock.advance(10)  # no sample since: the probe hangs, say
+    assert (node.gpu()["stale"], node.gpu()["age"], node.broker.stale) == (True, 10.0, True)
+    waiting = asyncio.create_task(node.refused(gpu_memory="1GiB", wait="300ms"))
+    await asyncio.sleep(0.1)
+    node.clock.advance(5)
+    error = await asyncio.wait_for(waiting, 5)
+    assert error.code is FailureCode.LEASE_TIMEOUT
+    assert "GPU 0 read 15.0s ago" in error.message  # its age when the wait ended, not when it began
