@@ -836,6 +836,13 @@ class Broker:
         )
 
     def _live(self, lease_id: str) -> Lease:
+        waiter = self.find_waiter(lease_id)
+        if waiter is not None:  # nothing to renew or register yet: it waits to be granted
+            raise Refusal(
+                FailureCode.LEASE_CONFLICT,
+                f"request {lease_id} is queued, not granted (position {self.position(waiter)}): {waiter.reason}",
+                {"lease": lease_id, "state": "queued"},
+            )
         lease = self.find(lease_id)
         if not lease.live:
             raise Refusal(

@@ -591,6 +591,11 @@ class Mesh:
             listed = (listed_lease(document.body, document.node, r) for r in document.body.get("leases", []) if isinstance(r, dict))
             yield document, [lease for lease in listed if lease is not None]
 
+    def knows_node(self, node: str) -> bool:
+        """Whether `node` names a member of the cluster, by its id or its name."""
+        members = self.cluster.members
+        return node in members or any(entry.get("name") == node for entry in members.values())
+
     def leases_of(self, node: str, limit: int) -> list[dict[str, Any]]:
         """The granted leases another node's document lists, by its id or its name; none for a node not known."""
         for document, leases in self._listed():

@@ -141,14 +141,13 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
     except web.HTTPNotFound:
         return _refusal(request, NotFound(f"no such path: {request.path}", {"path": request.path}))
     except web.HTTPMethodNotAllowed as error:
-        return _refusal(
+        allowed = ", ".join(sorted(error.allowed_methods))
+        answer = _refusal(
             request,
-            InvalidRequest(
-                f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(error.allowed_methods))}",
-                {"path": request.path},
-                status=405,
-            ),
+            InvalidRequest(f"{request.method} is not allowed on {request.path}; allowed: {allowed}", {"path": request.path}, status=405),
         )
+        answer.headers["Allow"] = allowed  # as HTTP asks of a 405
+        return answer
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -354,12 +353,16 @@ async def list_leases(request: web.Request) -> web.Response:
     if state is not None and state not in STATES:
         raise InvalidRequest(f"state must be one of {', '.join(STATES)}, not {state!r}", {"field": "state"})
     limit = _int_query(request, "limit", 1000, 1, 100_000)
-    node = request.query.get("node")
+    node = request.query.get("node") or None  # `node=` left empty: this node
     if node in (None, broker.node_id, broker.config.name):
         leases = broker.list_leases(state, limit)
     else:  # another node's: its granted leases as its document lists them (their own node has the rest)
         mesh = request.app[MESH].mesh
-        leases = mesh.leases_of(node, limit) if mesh is not None and state in (None, "granted") else []
+        if mesh is None or not mesh.knows_node(node):
+            raise NotFound(
+                f"no node {node!r} in {'this cluster' if mesh else 'this single-node broker'}: give a member's id or name", {"node": node}
+            )
+        leases = mesh.leases_of(node, limit) if state in (None, "granted") else []
     return web.json_response({"leases": leases})
 
 

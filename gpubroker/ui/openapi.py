@@ -48,7 +48,12 @@ OPENAPI: dict[str, Any] = {
                         "in": "query",
                         "schema": {"type": "string", "enum": ["queued", "granted", "released", "expired", "revoked"]},
                     },
-                    {"name": "node", "in": "query", "schema": {"type": "string"}},
+                    {
+                        "name": "node",
+                        "in": "query",
+                        "schema": {"type": "string"},
+                        "description": "a node of the cluster by id or name; empty: this one",
+                    },
                     {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100000, "default": 1000}},
                 ],
                 "responses": {
@@ -60,7 +65,7 @@ OPENAPI: dict[str, Any] = {
                         },
                         "leases",
                     ),
-                    **_error_responses(400),
+                    **_error_responses(400, 404),
                 },
             },
         },

@@ -616,6 +616,17 @@ async def fragment(request: web.Request) -> web.Response:
     return web.Response(text=page[2](request), content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
 
 
+STATIC_FILES = {path.name: path for path in STATIC.iterdir() if path.is_file()}  # the pages' stylesheet and script
+
+
+async def static(request: web.Request) -> web.StreamResponse:
+    """The pages' own files, by name: anything else is NOT_FOUND in the one error shape."""
+    path = STATIC_FILES.get(request.match_info["name"])
+    if path is None:
+        raise NotFound(f"no such file: {request.path}", {"path": request.path})
+    return web.FileResponse(path)
+
+
 def add_routes(app: web.Application) -> None:
     for name, (path, _, _) in PAGES.items():
         app.router.add_get(path, _page(name))
@@ -624,4 +635,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/login", login_form)
     app.router.add_post("/login", login)
     app.router.add_post("/logout", logout)
-    app.router.add_static("/static", STATIC)
+    app.router.add_get("/static/{name}", static)

@@ -823,3 +823,18 @@ async def test_a_stale_reading_is_shown_as_stale_and_a_wait_that_ends_on_it_says
     error = await asyncio.wait_for(waiting, 5)
     assert error.code is FailureCode.LEASE_TIMEOUT
     assert "GPU 0 read 15.0s ago" in error.message  # its age when the wait ended, not when it began
+
+
+async def test_renewing_a_queued_request_is_a_conflict_that_says_it_waits(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    waiting = asyncio.create_task(node.ask(gpu_memory="10GiB", wait="1m"))
+    await settle()
+    (queued,) = node.broker.list_leases("queued", 10)
+    with pytest.raises(BrokerError) as refused:
+        await node.broker.renew(queued["id"], TCP, None, None)
+    assert (refused.value.code, refused.value.details["state"]) == (FailureCode.LEASE_CONFLICT, "queued")
+    assert "is queued, not granted (position 1)" in refused.value.message
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting

@@ -66,7 +66,9 @@ def test_leases_are_listed_by_state_and_limited(broker: BrokerProcess) -> None:
     assert sorted(x["id"] for x in granted) == sorted(x["id"] for x in made[1:])
     assert [x["id"] for x in tcp.call("GET", "/v1/leases", query={"state": "released"})["leases"]] == [made[0]["id"]]
     assert len(tcp.call("GET", "/v1/leases", query={"limit": 1})["leases"]) == 1
-    assert tcp.call("GET", "/v1/leases", query={"node": "elsewhere"})["leases"] == []
+    with pytest.raises(ClientError) as elsewhere:  # no node of that name: said so, not answered with an empty list
+        tcp.call("GET", "/v1/leases", query={"node": "elsewhere"})
+    assert elsewhere.value.code == "NOT_FOUND"
 
 
 def test_events_are_served_after_a_sequence_number(broker: BrokerProcess) -> None:
@@ -339,3 +341,23 @@ def test_a_name_or_label_with_a_control_character_is_refused_so_no_terminal_prin
     assert (refused.value.code, refused.value.details["field"]) == ("INVALID_REQUEST", field)
     assert "control characters" in refused.value.message
     assert broker.client().call("GET", "/v1/leases")["leases"] == []
+
+
+def test_leases_of_a_node_nobody_knows_is_not_found_and_an_empty_node_is_this_one(broker: BrokerProcess) -> None:
+    client = broker.client()
+    mine = client.call("POST", "/v1/leases", {"cpu_cores": 1, "bind": "none"})["lease"]
+    assert [lease["id"] for lease in client.call("GET", "/v1/leases", query={"node": ""})["leases"]] == [mine["id"]]
+    with pytest.raises(ClientError) as unknown:
+        client.call("GET", "/v1/leases", query={"node": "typo"})
+    assert (unknown.value.code, unknown.value.details) == ("NOT_FOUND", {"node": "typo"})
+
+
+def test_a_missing_static_file_is_not_found_and_a_wrong_method_names_the_allowed_ones(broker: BrokerProcess) -> None:
+    for path in ("/static/nonexist.js", "/static/", "/static/../pyproject.toml", "/static/%2e%2e/README.md"):
+        status, headers, body = _raw(broker, f"GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+        assert (status, json.loads(body)["error"]["code"]) == (404, "NOT_FOUND"), path
+    status, headers, body = _raw(broker, b"GET /static/style.css HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    assert (status, headers["content-type"].split(";")[0]) == (200, "text/css")
+    status, headers, body = _raw(broker, b"PUT /v1/leases HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    assert (status, json.loads(body)["error"]["code"]) == (405, "INVALID_REQUEST")
+    assert headers["allow"] == "GET, HEAD, POST"
