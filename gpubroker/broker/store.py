@@ -196,7 +196,7 @@ class Store:
             return None
         except lmdb.MapFullError:
             return StoreFull(
-                f"the state store is full ({self._env.info()['map_size'] // 2**20} MiB); nothing was changed. "
+                f"the state store is full ({self._env.info()['map_size'] / 2**20:.1f} MiB); nothing was changed. "
                 "Raise store_size or release leases",
                 {"store_size": self._env.info()["map_size"]},
             )

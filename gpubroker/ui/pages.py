@@ -301,6 +301,7 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
                         "since": lease["queued_at"] if queued else lease["granted_at"],
                         "expires": lease["expires_at"] if lease["state"] == "granted" else None,  # an ended one has no expiry ahead
                         "state": lease["state"],
+                        "labels": lease.get("labels") or {},
                     }
                 )
             continue
@@ -319,9 +320,18 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
                     "since": record.get("granted_at"),
                     "expires": record.get("expires_at"),
                     "state": "granted",
+                    "labels": {},  # not in the node's document: its own node shows them
                 }
             )
     return rows, queues
+
+
+def _labels(labels: dict[str, str]) -> str:
+    """A lease's labels (SPEC §3.1: free-form key/values shown in the UI), under its holder."""
+    if not labels:
+        return ""
+    shown = " ".join(f'<span class="label">{e(key)}={e(value)}</span>' for key, value in sorted(labels.items()))
+    return f'<br><span class="labels muted">{shown}</span>'
 
 
 def leases_region(request: web.Request) -> str:
@@ -341,7 +351,7 @@ def leases_region(request: web.Request) -> str:
     )
     cells = [
         [
-            f'<span class="holder">{e(r["holder"] or "—")}</span>',
+            f'<span class="holder">{e(r["holder"] or "—")}</span>' + _labels(r["labels"]),
             e(r["node"]),
             e(r["gpus"] or "—"),
             gib(r["bytes"]),

@@ -129,6 +129,15 @@ def test_a_holder_name_with_markup_is_shown_escaped_on_every_page(broker: Broker
     assert "&lt;script&gt;" in page(broker, "/")
 
 
+def test_a_leases_labels_are_shown_escaped_under_its_holder(broker: BrokerProcess) -> None:
+    labels = {"team": "vision", "<b>k</b>": "javascript:x"}
+    broker.client(tcp=True).call("POST", "/v1/leases", {"cpu_cores": 1, "holder": {"name": "labelled"}, "labels": labels})
+    html = page(broker, "/leases")
+    assert '<span class="label">team=vision</span>' in html
+    assert '<span class="label">&lt;b&gt;k&lt;/b&gt;=javascript:x</span>' in html
+    assert "<b>k</b>" not in html
+
+
 def test_the_node_page_lists_processes_with_their_lease_or_no_lease(broker: BrokerProcess) -> None:
     html = page(broker, "/node")
     for text in ("GPU-sim-0", "GPU-sim-1", "900001 ollama · 6.0 GiB", "no lease", "CPU cores", "host memory", "schedulable"):
