@@ -292,12 +292,23 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     code = child.wait()
     terminal.take_back()
     done.set()
+    _release_after(client, lease["id"], token)
+    return code if code >= 0 else 128 - code
+
+
+def _release_after(client: Client, lease_id: str, token: dict[str, str]) -> None:
+    """CMD has exited: release its lease, or say why there was none left to release (released by someone
+    else, expired while the broker could not be reached), since that is why CMD may have been stopped."""
+    with contextlib.suppress(ClientError):
+        now = client.call("GET", f"/v1/leases/{lease_id}")["lease"]
+        if now.get("state") not in (None, "granted"):
+            print(f"gpubroker: lease {lease_id} was {now['state']} before CMD ended: {now.get('reason')}", file=sys.stderr)
+            return
     try:
-        client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token)
+        client.call("DELETE", f"/v1/leases/{lease_id}", headers=token)
     except ClientError as error:
         if error.status not in (404, 409):
-            print(f"gpubroker: releasing {lease['id']}: {error.code}: {error.message}", file=sys.stderr)
-    return code if code >= 0 else 128 - code
+            print(f"gpubroker: releasing {lease_id}: {error.code}: {error.message}", file=sys.stderr)
 
 
 def cmd_leases(args: argparse.Namespace) -> int:

@@ -208,3 +208,23 @@ def test_cmd_gets_the_callers_ld_library_path_never_the_bundles(
         bundled = read_environ(tmp_path / "holder").get("LD_LIBRARY_PATH", "")
         assert str(BINARY.parent / "_internal") in bundled.split(":")
     assert read_environ(tmp_path / "cmd").get("LD_LIBRARY_PATH") == callers
+
+
+def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease_says_why(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    cmd = ["sh", "-c", 'trap "exit 3" TERM; sleep 30 & wait']
+    holder = spawn([*gpubroker, "lease", "--gpu-memory", "4GiB", "--", *cmd], broker.env)
+    wait_for(lambda: granted_to(client, holder.pid) is not None, timeout=20.0)
+    lease = granted_to(client, holder.pid)
+    assert lease is not None
+    events_before = client.call("GET", "/v1/events", query={"after": 0, "limit": 1000})["next"]
+    client.call("DELETE", f"/v1/leases/{lease['id']}")  # root on the socket, from another shell
+
+    assert holder.wait(30) == 3  # CMD got SIGTERM from the broker, and its exit code is passed on
+    said = lease_log(tmp_path)
+    assert f"gpubroker: lease {lease['id']} was released before CMD ended: released by uid {os.getuid()}" in said, said
+    later = client.call("GET", "/v1/events", query={"after": events_before, "limit": 1000})["events"]
+    assert [e["type"] for e in later if e["type"] == "request.refused"] == []  # no DELETE of an ended lease was sent

@@ -325,7 +325,11 @@ def _token(request: web.Request) -> str | None:
 
 async def create_lease(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    lease_request = parse_request(await _json_body(request))
+    try:
+        lease_request = parse_request(await _json_body(request))
+    except InvalidRequest as error:  # refused before any decision: still a lease request, counted by its result
+        broker.stats.record(error.code.value, 0.0)
+        raise
     prepared: list[web.Response] = []
 
     def prepare(lease: Lease, token: str) -> None:

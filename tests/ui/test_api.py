@@ -95,7 +95,7 @@ def test_events_asked_for_past_the_newest_resume_from_the_newest(broker: BrokerP
 def test_metrics_show_the_seven_figures_per_gpu_uuid_and_requests_by_result(broker: BrokerProcess) -> None:
     tcp = broker.client(tcp=True)
     tcp.call("POST", "/v1/leases", {"gpu_memory": "1GiB"})
-    for body in ({"gpu_memory": "23GiB", "gpus": 2}, {"gpu_memory": "100GiB"}):  # no room now; no room ever
+    for body in ({"gpu_memory": "23GiB", "gpus": 2}, {"gpu_memory": "100GiB"}, {"gpu_memory": "-1GiB"}):  # no room now; ever; nonsense
         with pytest.raises(ClientError):
             tcp.call("POST", "/v1/leases", body)
     text = tcp.text("/metrics")
@@ -104,6 +104,7 @@ def test_metrics_show_the_seven_figures_per_gpu_uuid_and_requests_by_result(brok
     assert 'gpubroker_requests_total{code="GRANTED"} 1.0' in text
     assert 'gpubroker_requests_total{code="INSUFFICIENT_SCHEDULABLE_VRAM"} 1.0' in text
     assert 'gpubroker_requests_total{code="CAPABILITY_UNAVAILABLE"} 1.0' in text
+    assert 'gpubroker_requests_total{code="INVALID_REQUEST"} 1.0' in text
     assert 'gpubroker_leases{priority="interactive",state="granted"} 1.0' in text
     assert "gpubroker_grant_latency_seconds_bucket" in text
     assert 'gpubroker_queue_depth{priority="background"} 0.0' in text
