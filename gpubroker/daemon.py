@@ -29,6 +29,7 @@ from gpubroker.broker.probes import GpuProbe, SimulatedProbe
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
+from gpubroker.ui import api
 from gpubroker.ui.api import MeshSlot, allowed_hosts, make_app, unreadable_detail
 from gpubroker.ui.auth import Guard, Sessions, is_loopback, load_or_create_api_token
 
@@ -70,9 +71,6 @@ def lock_state(state_dir: Path) -> int:
 SOCKET_PATH_MAX = 107  # bytes: sun_path holds 108, the last a NUL
 
 
-# Seconds a connection may stay open without a whole request: an idle keep-alive connection, or one whose
-# request never ends (without it, half-sent requests would hold their file descriptors for an hour).
-IDLE_CONNECTION_TIMEOUT = 30.0
 NEW_STORE_ROOM = 2**20  # bytes free on the state directory's disk below which a new store is not made
 
 
@@ -310,7 +308,7 @@ async def serve(
             raise
         slot = MeshSlot(mesh)
         runner = web.AppRunner(
-            make_app(broker, slot, guard), handler_cancellation=True, access_log=None, keepalive_timeout=IDLE_CONNECTION_TIMEOUT
+            make_app(broker, slot, guard), handler_cancellation=True, access_log=None, keepalive_timeout=api.IDLE_TIMEOUT
         )
         bound: os.stat_result | None = None
         try:

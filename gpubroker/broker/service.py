@@ -174,6 +174,7 @@ class Broker:
         self._gpu_epochs: dict[str, int] = {}
         self._event_seq = 0
         self._waiter_seq = 0
+        self._stopping = False  # set by stop_waiting(): no request joins the queue any more
         self._pressure: set[int] = set()
         self.over_declared_ids: set[str] = set()
         self._reclaims: list[_Reclaim] = []
@@ -271,16 +272,19 @@ class Broker:
     def stop_waiting(self) -> None:
         """The broker is stopping: every waiting request is answered now, not when its wait runs out (which
         may be never), and says why; its client may ask again once the broker is back."""
+        self._stopping = True  # and a request still on its way in is answered so too, not queued
         stopping = [w for w in self.waiters if w.lease is None and not w.granted.done()]
         self.waiters[:] = [w for w in self.waiters if w not in stopping]  # none is granted in the room of another
         for waiter in stopping:
-            refusal = Refusal(
-                FailureCode.LEASE_TIMEOUT,
-                f"request {waiter.id} was not granted: the broker on node {self.config.name} is stopping; ask again once it is back",
-                {"lease": waiter.id, "stopping": True},
-            )
-            waiter.granted.set_exception(self._refused(waiter.request, refusal))
+            waiter.granted.set_exception(self._refused(waiter.request, self._stopping_refusal(waiter.id)))
             waiter.granted.exception()  # retrieved: the waiting handler answers with it
+
+    def _stopping_refusal(self, request_id: str) -> Refusal:
+        return Refusal(
+            FailureCode.LEASE_TIMEOUT,
+            f"request {request_id} was not granted: the broker on node {self.config.name} is stopping; ask again once it is back",
+            {"lease": request_id, "stopping": True},
+        )
 
     async def close(self) -> None:
         """Wait for pending durable work, then stop the writer; idempotent."""
@@ -717,6 +721,8 @@ class Broker:
 
     async def _wait(self, waiter: Waiter, first: Refusal) -> tuple[Lease, str]:
         request = waiter.request
+        if self._stopping:
+            raise self._refused(request, self._stopping_refusal(waiter.id))
         waiter.reason = first.message
         self.waiters.append(waiter)
         self.waiters.sort(key=lambda w: w.order)
@@ -737,9 +743,9 @@ class Broker:
         except TimeoutError:
             if waiter.lease is not None:  # granted in the same instant: being made durable
                 return await waiter.granted
-            now = self._place(request, self._claimed_ahead(waiter))  # why it waits now: ages and figures move on
-            if isinstance(now, Refusal):
-                waiter.reason = now.message
+            still = self._place(request, self._claimed_ahead(waiter))  # why it waits now: ages and figures move on
+            if isinstance(still, Refusal):
+                waiter.reason = still.message
             self._drop_waiter(waiter)
             if request.deadline is not None and until >= request.deadline:
                 refusal = Refusal(

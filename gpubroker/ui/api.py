@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -104,8 +105,11 @@ async def read_form(request: web.Request) -> Any:
     """A form's fields, or INVALID_REQUEST when the body cannot be read as one (an unknown charset, bytes
     that are not its text, a multipart body without its boundary)."""
     try:
-        return await request.post()
-    except (ValueError, LookupError, AssertionError, RequestPayloadError, HttpProcessingError) as error:
+        async with asyncio.timeout(IDLE_TIMEOUT):
+            return await request.post()
+    except TimeoutError:
+        raise RequestPayloadError(f"it did not all arrive within {IDLE_TIMEOUT:g}s") from None
+    except (ValueError, LookupError, AssertionError, HttpProcessingError) as error:
         raise InvalidRequest(f"the form cannot be read: {_text(str(error) or type(error).__name__)}") from None
 
 
@@ -155,6 +159,10 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 MAX_KEPT = 256  # characters of any one string of a refused caller's kept in its event
+# Seconds a connection may go without a whole request: idle between requests, or with its headers (the
+# server's keep-alive timer) or its body (the readers below) unfinished. Without it, half-sent requests
+# would hold their file descriptors for as long as their clients liked.
+IDLE_TIMEOUT = 30.0
 
 
 def _refusal(request: web.Request, error: BrokerError) -> web.Response:
@@ -292,8 +300,17 @@ def _caller(request: web.Request) -> Caller:
     return caller
 
 
+async def _body(request: web.Request) -> bytes:
+    """The whole body, within IDLE_TIMEOUT: one that stops short is refused and ends its connection."""
+    try:
+        async with asyncio.timeout(IDLE_TIMEOUT):
+            return await request.read()
+    except TimeoutError:
+        raise RequestPayloadError(f"it did not all arrive within {IDLE_TIMEOUT:g}s") from None
+
+
 async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
-    raw = await request.read()
+    raw = await _body(request)
     if not raw.strip() and optional:
         return {}
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from html import escape
@@ -32,13 +33,42 @@ STATIC = Path(__file__).parent / "static"
 
 @dataclass(slots=True)
 class SignIns:
-    """Guesses at the UI password: checked one at a time (scrypt makes each cost tens of milliseconds), and at most
-    WAITING at once, the one being checked included; more are refused at once, so a flood of wrong guesses can
-    neither queue up in front of the right one nor pile up in memory."""
+    """Guesses at the UI password, checked one at a time on a thread of their own (scrypt makes each cost tens of
+    milliseconds, and the shared threads read the GPUs). A guess is counted from when it is handed over until
+    its check has finished, even if its client has gone; at most PER_ADDRESS are pending from one address and
+    PENDING from all, and more are refused at once, so a flood of wrong guesses from one place can neither
+    queue up in front of the right one from another nor pile up in memory."""
 
-    WAITING: ClassVar[int] = 4
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    waiting: int = 0
+    PENDING: ClassVar[int] = 32
+    PER_ADDRESS: ClassVar[int] = 2
+    pending: dict[str, int] = field(default_factory=dict)
+    checker: ThreadPoolExecutor | None = None
+
+    def admit(self, address: str) -> bool:
+        if sum(self.pending.values()) >= self.PENDING or self.pending.get(address, 0) >= self.PER_ADDRESS:
+            return False
+        self.pending[address] = self.pending.get(address, 0) + 1
+        return True
+
+    def done(self, address: str) -> None:
+        left = self.pending.get(address, 0) - 1
+        if left > 0:
+            self.pending[address] = left
+        else:
+            self.pending.pop(address, None)
+
+    async def check(self, address: str, password: str, password_hash: str) -> bool:
+        """Whether the password is right; `address` must have been admitted."""
+        if self.checker is None:
+            self.checker = ThreadPoolExecutor(1, thread_name_prefix="gpubroker-sign-in")
+        loop = asyncio.get_running_loop()
+        checking = self.checker.submit(verify_password, password, password_hash)
+        checking.add_done_callback(lambda _: loop.call_soon_threadsafe(self.done, address))
+        return await asyncio.wrap_future(checking)
+
+    def close(self) -> None:
+        if self.checker is not None:
+            self.checker.shutdown(wait=False, cancel_futures=True)
 
 
 SIGN_INS = web.AppKey("sign_ins", SignIns)
@@ -569,18 +599,16 @@ async def login(request: web.Request) -> web.Response:
     password, target = form.get("password"), form.get("next")
     if guard.password_hash is None:
         return login_page(request, 403, "this node has no UI password (ui_password_hash): there is nothing to sign in to")
-    sign_ins = request.app[SIGN_INS]
-    if sign_ins.waiting >= SignIns.WAITING:
+    sign_ins, address = request.app[SIGN_INS], request.remote or "unknown"
+    if not isinstance(password, str):
+        right = False
+    elif sign_ins.admit(address):
+        right = await sign_ins.check(address, password, guard.password_hash)
+    else:
         _sign_in_refused(request, "too many at once")
         answer = login_page(request, 429, "too many sign-in attempts at once; try again in a few seconds")
         answer.headers["Retry-After"] = "2"
         return answer
-    sign_ins.waiting += 1
-    try:
-        async with sign_ins.lock:
-            right = isinstance(password, str) and await asyncio.to_thread(verify_password, password, guard.password_hash)
-    finally:
-        sign_ins.waiting -= 1
     if not right:
         _sign_in_refused(request, "wrong password")
         await asyncio.sleep(0.2)
@@ -642,6 +670,11 @@ def add_routes(app: web.Application) -> None:
         app.router.add_get(path, _page(name))
     app.router.add_get("/fragment/{page}", fragment)
     app[SIGN_INS] = SignIns()
+
+    async def stop_checking(app: web.Application) -> None:
+        app[SIGN_INS].close()
+
+    app.on_cleanup.append(stop_checking)
     app.router.add_get("/login", login_form)
     app.router.add_post("/login", login)
     app.router.add_post("/logout", logout)

@@ -838,3 +838,14 @@ async def test_renewing_a_queued_request_is_a_conflict_that_says_it_waits(make_n
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
+
+
+async def test_once_stopping_a_request_that_would_wait_is_answered_at_once_not_queued(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    node.broker.stop_waiting()  # SIGTERM: and then a request whose body was still on its way arrives
+    error = await asyncio.wait_for(node.refused(gpu_memory="10GiB", wait="1h"), 5)
+    assert (error.code, error.details["stopping"]) == (FailureCode.LEASE_TIMEOUT, True)
+    assert node.broker.waiters == []
+    lease, _ = await node.ask(cpu_cores=1)  # one that fits now is still granted, and made durable before the broker closes
+    assert lease["state"] == "granted"

@@ -286,7 +286,7 @@ def test_a_cluster_change_with_a_value_of_the_wrong_kind_is_an_invalid_request(b
     assert (refused.value.status, refused.value.code) == (400, "INVALID_REQUEST")
 
 
-async def test_a_connection_that_never_finishes_its_request_is_closed_and_the_file_limit_is_raised(
+async def test_a_connection_that_never_finishes_its_request_is_answered_and_closed_and_the_file_limit_is_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Half-sent requests must not hold their file descriptors for long (an hour, by aiohttp's default)."""
@@ -297,8 +297,9 @@ async def test_a_connection_that_never_finishes_its_request_is_closed_and_the_fi
 
     from gpubroker import daemon
     from gpubroker.config import Config
+    from gpubroker.ui import api
 
-    monkeypatch.setattr(daemon, "IDLE_CONNECTION_TIMEOUT", 0.5)
+    monkeypatch.setattr(api, "IDLE_TIMEOUT", 0.5)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
@@ -318,6 +319,17 @@ async def test_a_connection_that_never_finishes_its_request_is_closed_and_the_fi
         writer.write(b"GET /v1/node HTTP/1.1\r\nHost: localhost\r\nX-Never: ")  # and no more
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the broker, well before the test's patience
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{")  # a body that stops short
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)  # answered, not left waiting
+        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")).split(b":")[1])
+        answer = head + await asyncio.wait_for(reader.readexactly(length), 5)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        assert b"Connection: close" in head
+        assert b'"INVALID_REQUEST"' in answer
+        assert b"it did not all arrive within 0.5s" in answer
         writer.close()
     finally:
         serving.cancel()
