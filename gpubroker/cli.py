@@ -7,12 +7,13 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -606,15 +607,45 @@ def _join_signed(argv: list[str]) -> list[str]:
     return out
 
 
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # control characters but a line's end and a tab
+
+
+class _Escaping:
+    """A text stream whose control characters (but line ends and tabs) are written as their escapes: what
+    the broker says may quote names it got from others (a process, an older node), and none may act on the
+    terminal this prints to. JSON output is unchanged: json.dumps escapes them itself."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return int(self._stream.write(_UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _escaped_output() -> Iterator[None]:
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Escaping(sys.stdout), _Escaping(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(_join_signed(sys.argv[1:] if argv is None else argv))
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
         args.command = args.command[1:]
     try:
-        code: int = args.run(args)
+        with _escaped_output():
+            code: int = args.run(args)
         sys.stdout.flush()  # a reader gone away is met here, not in the interpreter's exit
     except ClientError as error:
-        print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
+        with _escaped_output():
+            print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -28,15 +28,13 @@ def process_name(pid: int) -> str | None:
         return None
 
 
-def holds_the_broker(pid: int) -> bool:
-    """Whether `pid` is this broker or one of its ancestors (pid 1 among them): the descendants of such a
-    process are most of the machine's, so no lease may be held in its name by a caller who merely names it."""
-    if pid in (1, os.getpid()):
-        return True
-    try:
-        return any(parent.pid == pid for parent in psutil.Process().parents())
-    except psutil.Error:
-        return False
+def broker_lineage() -> frozenset[int]:
+    """This broker and its ancestors, pid 1 among them: the descendants of any of them are most of the
+    machine's processes, so no lease may be held in their name by a caller who merely names one."""
+    lineage = {1, os.getpid()}
+    with contextlib.suppress(psutil.Error):
+        lineage.update(parent.pid for parent in psutil.Process().parents())
+    return frozenset(lineage)
 
 
 def is_same_process(pid: int, started: float | None) -> bool:

@@ -175,6 +175,7 @@ class Broker:
         self._event_seq = 0
         self._waiter_seq = 0
         self._stopping = False  # set by stop_waiting(): no request joins the queue any more
+        self._lineage: frozenset[int] = frozenset({1})  # this broker and its ancestors (holders.broker_lineage), read at start
         self._pressure: set[int] = set()
         self.over_declared_ids: set[str] = set()
         self._reclaims: list[_Reclaim] = []
@@ -207,6 +208,7 @@ class Broker:
             self._hold(lease)
             self._saw_epochs(lease)
         self._watch = holders.HolderWatch(asyncio.get_running_loop())
+        self._lineage = await asyncio.to_thread(holders.broker_lineage)
         self.store.start()
         writes = [Write("meta", b"node_id", self.node_id), *history]
         for lease in [x for x in self.leases.values() if x.pgids]:
@@ -505,7 +507,7 @@ class Broker:
         if caller.transport == "unix" and caller.pid is not None:
             holder.pid, holder.uid = caller.pid, caller.uid
         elif request.holder_pid is not None:
-            if holders.holds_the_broker(request.holder_pid):
+            if request.holder_pid in self._lineage:
                 raise InvalidRequest(
                     f"holder.pid {request.holder_pid} is this broker or one of its ancestors, whose descendants are most of this "
                     "machine's processes: give the pid of the process that holds the lease",

@@ -89,15 +89,15 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
 def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dict[str, Any] | None:
     """A lease a node's document lists, in the API's shape of a lease as far as the document tells it
     (None if the record is not one): a granted lease of `node`, its holder by name, each GPU with its UUID."""
+    lease_epoch, gpu_epochs = _epochs(record.get("epochs"))
     try:
         uuids = {gpu["index"]: gpu["uuid"] for gpu in body.get("gpus", []) if isinstance(gpu, dict)}
-        epochs = record.get("epochs") or [None, []]  # absent from the documents of older brokers
-        gpu_epochs = list(epochs[1]) + [None] * len(record["gpus"])
+        gpu_epochs += [None] * len(record["gpus"])
         return {
             "id": str(record["id"]),
             "state": "granted",
             "node": node,
-            "epoch": epochs[0],
+            "epoch": lease_epoch,
             "priority": record["priority"],
             "preemption": record.get("preemption"),
             "holder": {"name": record.get("holder")},
@@ -110,6 +110,14 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
         }
     except (KeyError, TypeError, ValueError, IndexError):
         return None
+
+
+def _epochs(epochs: object) -> tuple[int | None, list[int | None]]:
+    """A listed lease's epochs, and each GPU's; None where the document does not say (an older broker's)."""
+    if not (isinstance(epochs, list) and len(epochs) == 2 and isinstance(epochs[1], list)):
+        return None, []
+    known = [e if isinstance(e, int) and not isinstance(e, bool) else None for e in [epochs[0], *epochs[1]]]
+    return known[0], known[1:]
 
 
 @dataclass(frozen=True, slots=True)

@@ -612,9 +612,11 @@ class Mesh:
         return None
 
     def owner_of(self, lease_id: str) -> str | None:
-        """The node whose document lists this lease, if any."""
-        lease = self.lease_of(lease_id)
-        return None if lease is None else lease["node"]
+        """The node whose document lists this lease, if any (by its id alone: the rest of the record may be newer than this reader)."""
+        for document, _ in self.view.documents():
+            if any(isinstance(r, dict) and r.get("id") == lease_id for r in document.body.get("leases", [])):
+                return document.node
+        return None
 
     async def forward_release(self, lease_id: str, token: str | None, admin: str | None = None) -> dict[str, Any] | None:
         """Ask the lease's own node to release it; it authorises the request (the token, or this node's admin). None: no node holds it."""

@@ -90,5 +90,10 @@ def test_a_listed_lease_from_an_older_broker_has_no_epochs_and_a_malformed_one_i
     lease = listed_lease(body, "n-a", older)
     assert lease is not None
     assert (lease["epoch"], lease["gpus"]) == (None, [{"index": 0, "uuid": "GPU-0", "bytes": GIB, "epoch": None}])
+    for unreadable in ("x", [1], [True, [2]], ["1", "2"]):  # epochs of a shape this reader does not know: not given
+        lease = listed_lease(body, "n-a", {**older, "epochs": unreadable})
+        assert lease is not None
+        assert lease["epoch"] is None
+    assert listed_lease(body, "n-a", {**older, "epochs": [7, [3]]})["gpus"][0]["epoch"] == 3  # type: ignore[index]
     for broken in ({**older, "gpus": [[0, GIB, 3]]}, {**older, "gpus": 5}, {"id": "l-2"}):
         assert listed_lease(body, "n-a", broken) is None
