@@ -107,6 +107,13 @@ class Budget:
         resident = f", {gib(f.resident)} resident" if f.resident else ""
         return f"{self.label()}: {external}{resident}, {gib(f.leased)} leased, {gib(f.reserve)} reserve → {gib(f.schedulable)} schedulable"
 
+    def leases_json(self) -> list[dict[str, Any]]:
+        """Each lease here: what it declared (`bytes`) and what its processes use here (`used`)."""
+        return [
+            {"id": lease.id, "holder": lease.holder.name, "bytes": declared, "used": self.usage.get(lease.id, 0)}
+            for lease, declared in self.held.held.values()
+        ]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "index": self.reading.index,
@@ -119,10 +126,7 @@ class Budget:
             "processes": [
                 {"pid": p.process.pid, "name": p.process.name, "bytes": p.process.bytes, "lease": p.lease} for p in self.processes
             ],
-            "leases": [
-                {"id": lease.id, "holder": lease.holder.name, "bytes": declared, "used": self.usage.get(lease.id, 0)}
-                for lease, declared in self.held.held.values()
-            ],
+            "leases": self.leases_json(),
         }
 
 

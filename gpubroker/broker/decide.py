@@ -56,10 +56,7 @@ def _figures(budget: Budget) -> dict[str, Any]:
         "index": budget.reading.index,
         "figures": budget.figures.to_json(),
         "external_processes": budget.external_by_name(),
-        "leases": [
-            {"id": lease.id, "holder": lease.holder.name, "bytes": declared, "used": budget.usage.get(lease.id, 0)}
-            for lease, declared in budget.held.held.values()
-        ],
+        "leases": budget.leases_json(),
     }
 
 

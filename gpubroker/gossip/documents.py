@@ -44,8 +44,12 @@ def external_by_name(gpu: dict[str, Any]) -> dict[str, int]:
     return external
 
 
+LEASES_ROOM = 192 * 2**10  # bytes of lease records a document lists at most; MAX_DOCUMENT's rest holds the node's figures
+
+
 def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, Any]:
-    """The published part of `GET /v1/node` and the live leases: figures rounded, external processes by name."""
+    """The published part of `GET /v1/node` and the live leases: figures rounded, external processes by name,
+    as many leases as LEASES_ROOM holds (and how many more there are), so the document never outgrows MAX_DOCUMENT."""
     gpus = []
     for gpu in node.get("gpus", []):
         external = external_by_name(gpu)
@@ -82,8 +86,20 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
         "cpu": node.get("cpu", {}),
         "memory": {k: round_bytes(v) for k, v in node.get("memory", {}).items()},
         "queue": dict(node.get("queue", {})),
-        "leases": records,
+        "leases": (listed := _fitting(records, LEASES_ROOM)),
+        "leases_not_listed": len(records) - len(listed),
     }
+
+
+def _fitting(records: list[dict[str, Any]], room: int) -> list[dict[str, Any]]:
+    """The first records whose packed sizes add up to at most `room` bytes."""
+    fitting = []
+    for record in records:
+        room -= len(msgpack.packb(record))
+        if room < 0:
+            break
+        fitting.append(record)
+    return fitting
 
 
 def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dict[str, Any] | None:
@@ -106,7 +122,7 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
                 for (index, size), epoch in zip(record["gpus"], gpu_epochs, strict=False)
             ],
             "granted_at": record.get("granted_at"),
-            "expires_at": record["expires_at"],
+            "expires_at": record.get("expires_at"),
         }
     except (KeyError, TypeError, ValueError, IndexError):
         return None

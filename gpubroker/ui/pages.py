@@ -22,7 +22,7 @@ from urllib.parse import quote, urlsplit
 from aiohttp import web
 
 from gpubroker.errors import FailureCode, NotFound
-from gpubroker.gossip.documents import external_by_name
+from gpubroker.gossip.documents import external_by_name, listed_lease
 from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, cluster_view, read_form
 from gpubroker.ui.auth import CSRF_FIELD, SESSION_COOKIE, verify_password
 from gpubroker.ui.stream import EVENT_TYPES
@@ -337,18 +337,21 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
             continue
         document = node.get("document") or {}
         queues[name] = dict(document.get("queue", {}))
-        for record in document.get("leases", []):
+        listed = (listed_lease(document, node["id"], r) for r in document.get("leases", []) if isinstance(r, dict))
+        for listed_one in listed:
+            if listed_one is None:
+                continue  # a record this reader cannot read (a newer broker's, say): left out, never a failed page
             rows.append(
                 {
-                    "id": record.get("id"),
-                    "holder": record.get("holder"),
+                    "id": listed_one["id"],
+                    "holder": listed_one["holder"]["name"],
                     "node": name,
-                    "gpus": ", ".join(str(index) for index, _ in record.get("gpus", [])),
-                    "bytes": sum(size for _, size in record.get("gpus", [])),
-                    "priority": record.get("priority"),
-                    "preemption": record.get("preemption"),
-                    "since": record.get("granted_at"),
-                    "expires": record.get("expires_at"),
+                    "gpus": ", ".join(str(g["index"]) for g in listed_one["gpus"]),
+                    "bytes": sum(g["bytes"] for g in listed_one["gpus"]),
+                    "priority": listed_one["priority"],
+                    "preemption": listed_one["preemption"],
+                    "since": listed_one["granted_at"],
+                    "expires": listed_one["expires_at"],
                     "state": "granted",
                     "labels": {},  # not in the node's document: its own node shows them
                 }

@@ -168,6 +168,7 @@ def test_the_summary_rounds_figures_and_names_external_processes() -> None:
             "expires_at": "2026-11-30T10:00:00.000Z",
         }
     ]
+    assert body["leases_not_listed"] == 0
     assert body["queue"] == {"background": 2}
     assert body["memory"]["total"] == 64 * GIB
 
@@ -179,3 +180,20 @@ def test_an_unchanged_document_is_made_again_after_ten_seconds_so_its_age_stays_
     again = publisher.next({"leased": 1}, now=10.0)
     assert again is not None
     assert again.order == (1, 2)
+
+
+def test_a_node_with_more_leases_than_a_document_holds_lists_what_fits_and_counts_the_rest() -> None:
+    node = {"node": {"id": NODE, "name": "tower", "version": "0.1.0"}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}}
+    leases = [
+        {"id": f"l-{i:012x}", "state": "granted", "holder": {"name": "h" * 64 + "é" * 192}, "priority": "background",
+         "gpus": [{"index": 0, "bytes": GIB, "epoch": i}], "epoch": i, "preemption": "never",
+         "granted_at": "2026-11-30T10:00:00.000Z", "expires_at": "2026-11-30T10:05:00.000Z"}
+        for i in range(3000)
+    ]  # fmt: skip
+    body = summarize(node, leases)
+    assert 0 < len(body["leases"]) < 3000
+    assert len(body["leases"]) + body["leases_not_listed"] == 3000
+    assert [r["id"] for r in body["leases"]] == [lease["id"] for lease in leases[: len(body["leases"])]]
+    signed = sign_document(document(body=body), KEY.sign)
+    assert open_document(signed, verify, node_id_of).body == body  # it fits MAX_DOCUMENT, so every peer takes it
+    assert summarize(node, leases[:3])["leases_not_listed"] == 0
