@@ -217,7 +217,7 @@ def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease
     client = broker.client()
     cmd = ["sh", "-c", 'trap "exit 3" TERM; sleep 30 & wait']
     holder = spawn([*gpubroker, "lease", "--gpu-memory", "4GiB", "--", *cmd], broker.env)
-    wait_for(lambda: granted_to(client, holder.pid) is not None, timeout=20.0)
+    wait_for(lambda: (granted_to(client, holder.pid) or {}).get("process_groups"), timeout=20.0)  # CMD has started
     lease = granted_to(client, holder.pid)
     assert lease is not None
     events_before = client.call("GET", "/v1/events", query={"after": 0, "limit": 1000})["next"]
