@@ -302,6 +302,8 @@ def _caller(request: web.Request) -> Caller:
 
 async def _body(request: web.Request) -> bytes:
     """The whole body, within IDLE_TIMEOUT: one that stops short is refused and ends its connection."""
+    if request.content.is_eof():  # all of it has arrived (as a lease request's has, with its headers): no timer to set
+        return await request.read()
     try:
         async with asyncio.timeout(IDLE_TIMEOUT):
             return await request.read()
