@@ -619,7 +619,8 @@ class _Escaping:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        return int(self._stream.write(_UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)))
+        shown = _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+        return int(self._stream.write(shown.encode("utf-8", "backslashreplace").decode("utf-8")))  # a lone surrogate too
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)

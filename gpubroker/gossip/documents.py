@@ -106,6 +106,14 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
     """A lease a node's document lists, in the API's shape of a lease as far as the document tells it
     (None if the record is not one): a granted lease of `node`, its holder by name, each GPU with its UUID."""
     lease_epoch, gpu_epochs = _epochs(record.get("epochs"))
+    gpus = record.get("gpus")
+    if not (
+        isinstance(record.get("id"), str)
+        and isinstance(record.get("priority"), str)
+        and isinstance(gpus, list)
+        and all(isinstance(g, list) and len(g) == 2 and all(_count(n) for n in g) for g in gpus)
+    ):
+        return None  # not a record this reader knows: a newer broker's, or a broken one
     try:
         uuids = {gpu["index"]: gpu["uuid"] for gpu in body.get("gpus", []) if isinstance(gpu, dict)}
         gpu_epochs += [None] * len(record["gpus"])
@@ -116,7 +124,7 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
             "epoch": lease_epoch,
             "priority": record["priority"],
             "preemption": record.get("preemption"),
-            "holder": {"name": record.get("holder")},
+            "holder": {"name": record["holder"] if isinstance(record.get("holder"), str) else None},
             "gpus": [
                 {"index": index, "uuid": uuids.get(index), "bytes": size, "epoch": epoch}
                 for (index, size), epoch in zip(record["gpus"], gpu_epochs, strict=False)
@@ -126,6 +134,10 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
         }
     except (KeyError, TypeError, ValueError, IndexError):
         return None
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _epochs(epochs: object) -> tuple[int | None, list[int | None]]:

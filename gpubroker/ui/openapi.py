@@ -301,7 +301,7 @@ OPENAPI: dict[str, Any] = {
                     },
                     "env": {"type": "object", "additionalProperties": {"type": "string"}},
                     "token": {"type": "string", "description": "only in the answer to the request that was granted"},
-                    "expires_at": {"type": "string", "format": "date-time"},
+                    "expires_at": {"type": "string", "format": "date-time", "nullable": True},
                     "reason": {"type": "string", "nullable": True},
                 },
             },

@@ -9,6 +9,8 @@ event stream says something changed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +46,17 @@ class SignIns:
     pending: dict[str, int] = field(default_factory=dict)
     checker: ThreadPoolExecutor | None = None
 
+    @staticmethod
+    def source(remote: str | None) -> str:
+        """Whom to count a guess against: the client's address, or for IPv6 its /64 (a host may hold all of it)."""
+        try:
+            ip = ipaddress.ip_address(remote or "")
+        except ValueError:
+            return remote or "unknown"
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None:
+            return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+        return str(ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else str(ip)
+
     def admit(self, address: str) -> bool:
         if sum(self.pending.values()) >= self.PENDING or self.pending.get(address, 0) >= self.PER_ADDRESS:
             return False
@@ -63,7 +76,12 @@ class SignIns:
             self.checker = ThreadPoolExecutor(1, thread_name_prefix="gpubroker-sign-in")
         loop = asyncio.get_running_loop()
         checking = self.checker.submit(verify_password, password, password_hash)
-        checking.add_done_callback(lambda _: loop.call_soon_threadsafe(self.done, address))
+
+        def finished(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile: nobody counts any more
+                loop.call_soon_threadsafe(self.done, address)
+
+        checking.add_done_callback(finished)
         return await asyncio.wrap_future(checking)
 
     def close(self) -> None:
@@ -155,8 +173,11 @@ def node_gpus(node: dict[str, Any]) -> list[dict[str, Any]]:
     document = node.get("document") or {}
     by_gpu: dict[int, list[tuple[str, int]]] = {}
     for record in document.get("leases", []):
-        for index, size in record.get("gpus", []):
-            by_gpu.setdefault(index, []).append((record.get("holder") or record.get("id"), size))
+        lease = listed_lease(document, node["id"], record) if isinstance(record, dict) else None
+        if lease is None:
+            continue  # a record it cannot read is left out, never a failed page
+        for gpu in lease["gpus"]:
+            by_gpu.setdefault(gpu["index"], []).append((lease["holder"]["name"] or lease["id"], gpu["bytes"]))
     return [
         {**gpu, "external": sorted((gpu.get("external") or {}).items()), "holders": by_gpu.get(gpu.get("index"), [])}
         for gpu in document.get("gpus", [])
@@ -602,7 +623,7 @@ async def login(request: web.Request) -> web.Response:
     password, target = form.get("password"), form.get("next")
     if guard.password_hash is None:
         return login_page(request, 403, "this node has no UI password (ui_password_hash): there is nothing to sign in to")
-    sign_ins, address = request.app[SIGN_INS], request.remote or "unknown"
+    sign_ins, address = request.app[SIGN_INS], SignIns.source(request.remote)
     if not isinstance(password, str):
         right = False
     elif sign_ins.admit(address):

@@ -374,6 +374,41 @@ async def test_ids_from_other_nodes_documents_are_quoted_in_the_urls_of_buttons(
         await broker.close()
 
 
+async def test_records_of_another_nodes_document_this_reader_cannot_read_are_left_out_of_every_page(tmp_path: Path) -> None:
+    client, broker = await serve(tmp_path, password=True)
+    app = client.server.app
+    assert app is not None
+    good = {"id": "l-good", "holder": "kept", "gpus": [[0, GIB]], "priority": "background", "expires_at": "2026-11-30T10:00:00.000Z"}
+    unreadable = [
+        {**good, "id": "l-a", "gpus": [[0, "1GiB"]]},
+        {**good, "id": "l-b", "gpus": [[0, None]]},
+        {**good, "id": "l-c", "gpus": ["ab"]},
+        {**good, "id": "l-d", "gpus": [[0, GIB, 3]]},  # a newer broker's shape, say
+        {**good, "id": "l-e", "priority": 5},
+        "not a record",
+    ]
+
+    class Elsewhere:
+        def cluster_json(self) -> dict[str, Any]:
+            document = {"name": "other", "gpus": [{"index": 0, "uuid": "GPU-o", "name": "x", "figures": {}}], "leases": [good, *unreadable]}
+            other = {"id": "n-other", "name": "other", "state": "alive", "self": False, "age": 1.0, "document": document}
+            return {"nodes": [{**cluster_view_alone(broker), "self": True}, other], "coordinator": None}
+
+    app[MESH].mesh = Elsewhere()  # type: ignore[assignment]
+    try:
+        await sign_in(client)
+        for path in ("/", "/leases", "/fragment/leases", "/fragment/cluster"):
+            answer = await client.get(path)
+            assert answer.status == 200, path
+        page = await (await client.get("/leases")).text()
+        assert "l-good" in page
+        assert not any(f"l-{x}" in page for x in "abcde")
+    finally:
+        app[MESH].mesh = None
+        await client.close()
+        await broker.close()
+
+
 def cluster_view_alone(broker: Broker) -> dict[str, Any]:
     return {"id": broker.node_id, "name": broker.config.name, "state": "alive", "age": 0.0, **broker.node_json()}
 
@@ -449,3 +484,6 @@ def test_guesses_from_one_address_do_not_keep_another_from_signing_in() -> None:
     for n in range(SignIns.PENDING):
         sign_ins.admit(f"10.1.{n // 256}.{n % 256}")
     assert not sign_ins.admit("10.0.0.3")  # and all addresses together are bounded too
+    assert SignIns.source("2001:db8:1:2:aaaa::1") == SignIns.source("2001:db8:1:2:bbbb::7") == "2001:db8:1:2::/64"  # one host's /64
+    assert SignIns.source("::ffff:10.0.0.9") == SignIns.source("10.0.0.9") == "10.0.0.9"
+    assert SignIns.source(None) == "unknown"
