@@ -103,7 +103,7 @@ def unreadable_detail(error: BaseException) -> str:
 
 async def read_form(request: web.Request) -> Any:
     """A form's fields, or INVALID_REQUEST when the body cannot be read as one (an unknown charset, bytes
-    that are not its text, a multipart body without its boundary)."""
+    that are not its text, a multipart body without its boundary) or is not whole within IDLE_TIMEOUT."""
     try:
         async with asyncio.timeout(IDLE_TIMEOUT):
             return await request.post()
@@ -187,7 +187,7 @@ def _refusal(request: web.Request, error: BrokerError) -> web.Response:
 
 def _text(value: Any, limit: int = MAX_KEPT) -> Any:
     """What a refused caller sent, fit to keep: each string cut to `limit` characters (its event must stay
-    small), a lone surrogate (from JSON's escapes or a header's bytes) written as its escape."""
+    small), a lone surrogate (from JSON's escapes or a header's bytes) or a control character written as its escape."""
     if isinstance(value, str):
         return printable_text(value[:limit]) + ("…" if len(value) > limit else "")
     if isinstance(value, dict):
