@@ -7,7 +7,6 @@ import contextlib
 import ctypes
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -607,9 +606,6 @@ def _join_signed(argv: list[str]) -> list[str]:
     return out
 
 
-_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # control characters but a line's end and a tab
-
-
 class _Escaping:
     """A text stream whose control characters (but line ends and tabs) are written as their escapes: what
     the broker says may quote names it got from others (a process, an older node), and none may act on the
@@ -619,8 +615,7 @@ class _Escaping:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        shown = _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-        return int(self._stream.write(shown.encode("utf-8", "backslashreplace").decode("utf-8")))  # a lone surrogate too
+        return int(self._stream.write(printable_text(text, keep="\n\t")))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)

@@ -95,10 +95,8 @@ def open_store(config: Config) -> Store:
 def _free_socket(path: Path) -> None:
     """Remove a stale socket left by a broker that died; refuse if a live one answers there, or if the path
     is something other than a socket (a file there is never removed), or too long to be one."""
-    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
-        raise StartError(
-            f"the socket path {path} is {len(os.fsencode(path))} bytes; a Unix socket's is at most {SOCKET_PATH_MAX}: give a shorter --socket"
-        )
+    if (length := len(os.fsencode(path))) > SOCKET_PATH_MAX:
+        raise StartError(f"the socket path {path} is {length} bytes; a Unix socket's is at most {SOCKET_PATH_MAX}: give a shorter --socket")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         mode = path.lstat().st_mode

@@ -119,8 +119,10 @@ def gib(size: int | None) -> str:
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0 and C1 control characters, DEL among them
 
 
-def printable_text(text: str) -> str:
+def printable_text(text: str, keep: str = "") -> str:
     """Text fit to store and print: a lone surrogate (a name psutil read from bytes that are not UTF-8,
     or a JSON escape) becomes its escape, since one such string would fail every write beside it, and so
-    does a control character, which would act on the terminal that prints it (ESC clears it; CR, LF forge lines)."""
-    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text.encode("utf-8", "backslashreplace").decode("utf-8"))
+    does a control character other than those in `keep`, which would act on the terminal that prints it
+    (ESC clears it; CR, LF forge lines)."""
+    encodable = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return CONTROL.sub(lambda m: m.group() if m.group() in keep else f"\\x{ord(m.group()):02x}", encodable)

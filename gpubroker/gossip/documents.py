@@ -118,7 +118,7 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
         uuids = {gpu["index"]: gpu["uuid"] for gpu in body.get("gpus", []) if isinstance(gpu, dict)}
         gpu_epochs += [None] * len(record["gpus"])
         return {
-            "id": str(record["id"]),
+            "id": record["id"],
             "state": "granted",
             "node": node,
             "epoch": lease_epoch,
@@ -144,7 +144,7 @@ def _epochs(epochs: object) -> tuple[int | None, list[int | None]]:
     """A listed lease's epochs, and each GPU's; None where the document does not say (an older broker's)."""
     if not (isinstance(epochs, list) and len(epochs) == 2 and isinstance(epochs[1], list)):
         return None, []
-    known = [e if isinstance(e, int) and not isinstance(e, bool) else None for e in [epochs[0], *epochs[1]]]
+    known = [e if _count(e) else None for e in [epochs[0], *epochs[1]]]
     return known[0], known[1:]
 
 

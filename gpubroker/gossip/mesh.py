@@ -585,11 +585,12 @@ class Mesh:
 
     # ----- acting on another node's lease ----------------------------------------
 
-    def _listed(self) -> Iterator[tuple[Any, list[dict[str, Any]]]]:
-        """Each other node's document, with the granted leases it lists, as GET /v1/leases shows them."""
+    def _records(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+        """Each lease record of the other nodes' documents, with its document."""
         for document, _ in self.view.documents():
-            listed = (listed_lease(document.body, document.node, r) for r in document.body.get("leases", []) if isinstance(r, dict))
-            yield document, [lease for lease in listed if lease is not None]
+            for record in document.body.get("leases", []):
+                if isinstance(record, dict):
+                    yield document, record
 
     def knows_node(self, node: str) -> bool:
         """Whether `node` names a member of the cluster, by its id or its name."""
@@ -597,26 +598,21 @@ class Mesh:
         return node in members or any(entry.get("name") == node for entry in members.values())
 
     def leases_of(self, node: str, limit: int) -> list[dict[str, Any]]:
-        """The granted leases another node's document lists, by its id or its name; none for a node not known."""
-        for document, leases in self._listed():
+        """The granted leases another node's document lists (as `listed_lease` reads them), by its id or its name;
+        none for a node not known."""
+        for document, _ in self.view.documents():
             if node in (document.node, document.body.get("name")):
-                return leases[:limit]
+                records = [r for r in document.body.get("leases", []) if isinstance(r, dict)]
+                return [lease for lease in (listed_lease(document.body, document.node, r) for r in records) if lease is not None][:limit]
         return []
 
     def lease_of(self, lease_id: str) -> dict[str, Any] | None:
-        """A lease another node's document lists, as `leases_of` shows it; None if no document lists it."""
-        for _, leases in self._listed():
-            for lease in leases:
-                if lease.get("id") == lease_id:
-                    return lease
-        return None
+        """A lease another node's document lists, as `leases_of` shows it; None if no document lists it (readably)."""
+        return next((listed_lease(d.body, d.node, r) for d, r in self._records() if r.get("id") == lease_id), None)
 
     def owner_of(self, lease_id: str) -> str | None:
         """The node whose document lists this lease, if any (by its id alone: the rest of the record may be newer than this reader)."""
-        for document, _ in self.view.documents():
-            if any(isinstance(r, dict) and r.get("id") == lease_id for r in document.body.get("leases", [])):
-                return document.node
-        return None
+        return next((d.node for d, r in self._records() if r.get("id") == lease_id), None)
 
     async def forward_release(self, lease_id: str, token: str | None, admin: str | None = None) -> dict[str, Any] | None:
         """Ask the lease's own node to release it; it authorises the request (the token, or this node's admin). None: no node holds it."""

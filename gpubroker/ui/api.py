@@ -11,7 +11,7 @@ import struct
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from aiohttp import web, web_protocol
@@ -58,6 +58,7 @@ ROOM_CODES = (
 )
 _PEERCRED = struct.Struct("3i")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 def _error(error: BrokerError) -> web.Response:
@@ -105,10 +106,7 @@ async def read_form(request: web.Request) -> Any:
     """A form's fields, or INVALID_REQUEST when the body cannot be read as one (an unknown charset, bytes
     that are not its text, a multipart body without its boundary) or is not whole within IDLE_TIMEOUT."""
     try:
-        async with asyncio.timeout(IDLE_TIMEOUT):
-            return await request.post()
-    except TimeoutError:
-        raise RequestPayloadError(f"it did not all arrive within {IDLE_TIMEOUT:g}s") from None
+        return await _whole(request.post())
     except (ValueError, LookupError, AssertionError, HttpProcessingError) as error:
         raise InvalidRequest(f"the form cannot be read: {_text(str(error) or type(error).__name__)}") from None
 
@@ -300,15 +298,20 @@ def _caller(request: web.Request) -> Caller:
     return caller
 
 
-async def _body(request: web.Request) -> bytes:
-    """The whole body, within IDLE_TIMEOUT: one that stops short is refused and ends its connection."""
-    if request.content.is_eof():  # all of it has arrived (as a lease request's has, with its headers): no timer to set
-        return await request.read()
+async def _whole(reading: Awaitable[T]) -> T:
+    """A body read within IDLE_TIMEOUT: one that stops short is refused (the middleware answers it and ends
+    its connection)."""
     try:
         async with asyncio.timeout(IDLE_TIMEOUT):
-            return await request.read()
+            return await reading
     except TimeoutError:
         raise RequestPayloadError(f"it did not all arrive within {IDLE_TIMEOUT:g}s") from None
+
+
+async def _body(request: web.Request) -> bytes:
+    if request.content.is_eof():  # all of it has arrived (as a lease request's has, with its headers): no timer to set
+        return await request.read()
+    return await _whole(request.read())
 
 
 async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
