@@ -136,6 +136,13 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
         return None
 
 
+def listed_leases(body: dict[str, Any], node: str) -> list[dict[str, Any]]:
+    """The leases a node's document lists, as `listed_lease` reads them: a record it cannot read (a newer
+    broker's, say) is left out, never a failed page or answer."""
+    listed = (listed_lease(body, node, r) for r in body.get("leases", []) if isinstance(r, dict))
+    return [lease for lease in listed if lease is not None]
+
+
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

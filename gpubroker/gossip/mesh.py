@@ -28,7 +28,16 @@ from gpubroker.gossip import wire
 from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, decode_token, new_key_b64
 from gpubroker.gossip.coordinator import Candidate, Coordinator, choose, merge
 from gpubroker.gossip.discovery import Discovery, Sighting
-from gpubroker.gossip.documents import ClusterView, DocumentError, Publisher, listed_lease, open_document, sign_document, summarize
+from gpubroker.gossip.documents import (
+    ClusterView,
+    DocumentError,
+    Publisher,
+    listed_lease,
+    listed_leases,
+    open_document,
+    sign_document,
+    summarize,
+)
 from gpubroker.gossip.identity import Identity, IdentityError, node_id_of, node_id_of_certificate, public_key_of
 from gpubroker.gossip.keyring import cluster_hash, key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
@@ -598,12 +607,11 @@ class Mesh:
         return node in members or any(entry.get("name") == node for entry in members.values())
 
     def leases_of(self, node: str, limit: int) -> list[dict[str, Any]]:
-        """The granted leases another node's document lists (as `listed_lease` reads them), by its id or its name;
+        """The granted leases another node's document lists (as `listed_leases` reads them), by its id or its name;
         none for a node not known."""
         for document, _ in self.view.documents():
             if node in (document.node, document.body.get("name")):
-                records = [r for r in document.body.get("leases", []) if isinstance(r, dict)]
-                return [lease for lease in (listed_lease(document.body, document.node, r) for r in records) if lease is not None][:limit]
+                return listed_leases(document.body, document.node)[:limit]
         return []
 
     def lease_of(self, lease_id: str) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from urllib.parse import quote, urlsplit
 from aiohttp import web
 
 from gpubroker.errors import FailureCode, NotFound
-from gpubroker.gossip.documents import external_by_name, listed_lease
+from gpubroker.gossip.documents import external_by_name, listed_leases
 from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, cluster_view, read_form
 from gpubroker.ui.auth import CSRF_FIELD, SESSION_COOKIE, verify_password
 from gpubroker.ui.stream import EVENT_TYPES
@@ -53,9 +53,9 @@ class SignIns:
             ip = ipaddress.ip_address(remote or "")
         except ValueError:
             return remote or "unknown"
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None:
-            return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-        return str(ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else str(ip)
+        if isinstance(ip, ipaddress.IPv6Address):
+            return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ipaddress.ip_network(f"{ip}/64", strict=False))
+        return str(ip)
 
     def admit(self, address: str) -> bool:
         if sum(self.pending.values()) >= self.PENDING or self.pending.get(address, 0) >= self.PER_ADDRESS:
@@ -172,10 +172,7 @@ def node_gpus(node: dict[str, Any]) -> list[dict[str, Any]]:
         return out
     document = node.get("document") or {}
     by_gpu: dict[int, list[tuple[str, int]]] = {}
-    for record in document.get("leases", []):
-        lease = listed_lease(document, node["id"], record) if isinstance(record, dict) else None
-        if lease is None:
-            continue  # a record it cannot read is left out, never a failed page
+    for lease in listed_leases(document, node["id"]):
         for gpu in lease["gpus"]:
             by_gpu.setdefault(gpu["index"], []).append((lease["holder"]["name"] or lease["id"], gpu["bytes"]))
     return [
@@ -358,10 +355,7 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
             continue
         document = node.get("document") or {}
         queues[name] = dict(document.get("queue", {}))
-        listed = (listed_lease(document, node["id"], r) for r in document.get("leases", []) if isinstance(r, dict))
-        for listed_one in listed:
-            if listed_one is None:
-                continue  # a record this reader cannot read (a newer broker's, say): left out, never a failed page
+        for listed_one in listed_leases(document, node["id"]):
             rows.append(
                 {
                     "id": listed_one["id"],
