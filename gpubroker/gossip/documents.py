@@ -45,6 +45,7 @@ def external_by_name(gpu: dict[str, Any]) -> dict[str, int]:
 
 
 LEASES_ROOM = 192 * 2**10  # bytes of lease records a document lists at most; MAX_DOCUMENT's rest holds the node's figures
+LABELS_ROOM = 512  # bytes of one lease's labels a document lists at most: one lease's labels must not crowd out others
 
 
 def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -73,6 +74,7 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
             "preemption": lease.get("preemption"),
             "granted_at": lease.get("granted_at"),
             "expires_at": lease["expires_at"],
+            **({"labels": fitting_labels(labels)} if (labels := lease.get("labels")) else {}),
         }
         for lease in leases
         if lease.get("state") == "granted"
@@ -99,6 +101,18 @@ def _fitting(records: list[dict[str, Any]], room: int) -> list[dict[str, Any]]:
         if room < 0:
             break
         fitting.append(record)
+    return fitting
+
+
+def fitting_labels(labels: dict[str, str]) -> dict[str, str]:
+    """A lease's labels as its node's document lists them: in order of key, as many as LABELS_ROOM holds."""
+    fitting: dict[str, str] = {}
+    room = LABELS_ROOM
+    for key, value in sorted(labels.items()):
+        room -= len(msgpack.packb([key, value]))
+        if room < 0:
+            break
+        fitting[key] = value
     return fitting
 
 
@@ -131,6 +145,7 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
             ],
             "granted_at": record.get("granted_at"),
             "expires_at": record.get("expires_at"),
+            "labels": _labels(record.get("labels")),
         }
     except (KeyError, TypeError, ValueError, IndexError):
         return None
@@ -141,6 +156,13 @@ def listed_leases(body: dict[str, Any], node: str) -> list[dict[str, Any]]:
     broker's, say) is left out, never a failed page or answer."""
     listed = (listed_lease(body, node, r) for r in body.get("leases", []) if isinstance(r, dict))
     return [lease for lease in listed if lease is not None]
+
+
+def _labels(labels: object) -> dict[str, str]:
+    """A listed lease's labels; none where the document gives none (an older broker's) or gives them in a shape not known."""
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        return {}
+    return labels
 
 
 def _count(value: object) -> bool:

@@ -368,7 +368,7 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
                     "since": listed_one["granted_at"],
                     "expires": listed_one["expires_at"],
                     "state": "granted",
-                    "labels": {},  # not in the node's document: its own node shows them
+                    "labels": listed_one["labels"],  # as many as its document lists (LABELS_ROOM)
                 }
             )
     return rows, queues

@@ -14,11 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpubroker.gossip.documents import (
+    LABELS_ROOM,
     ROUNDING,
     ClusterView,
     DocumentError,
     NodeDocument,
     Publisher,
+    listed_leases,
     open_document,
     sign_document,
     summarize,
@@ -180,6 +182,23 @@ def test_an_unchanged_document_is_made_again_after_ten_seconds_so_its_age_stays_
     again = publisher.next({"leased": 1}, now=10.0)
     assert again is not None
     assert again.order == (1, 2)
+
+
+def test_a_leases_labels_are_listed_as_far_as_labels_room_holds_them_so_one_lease_cannot_crowd_out_the_others() -> None:
+    node = {"node": {"id": NODE, "name": "tower", "version": "0.1.0"}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}}
+    lease = {"id": "l-1", "state": "granted", "holder": {"name": "train"}, "priority": "batch", "gpus": [], "epoch": 1,
+             "preemption": "never", "granted_at": "2026-11-30T10:00:00.000Z", "expires_at": "2026-11-30T10:05:00.000Z"}  # fmt: skip
+    small = {"project": "lora", "team": "vision"}
+    big = {f"k{i:02d}": "v" * 256 for i in range(32)}  # the most a request may carry: 32 labels of 256 characters
+    body = summarize(node, [{**lease, "labels": small}, {**lease, "id": "l-2", "labels": big}, {**lease, "id": "l-3", "labels": {}}])
+    assert body["leases"][0]["labels"] == small
+    cut = body["leases"][1]["labels"]
+    assert 0 < len(cut) < len(big)
+    assert list(cut) == sorted(big)[: len(cut)]  # the first keys, whole
+    assert all(cut[key] == big[key] for key in cut)
+    assert len(msgpack.packb(cut)) <= LABELS_ROOM + 8
+    assert "labels" not in body["leases"][2]  # none, and no bytes spent saying so
+    assert [listed["labels"] for listed in listed_leases(body, NODE)] == [small, cut, {}]
 
 
 def test_a_node_with_more_leases_than_a_document_holds_lists_what_fits_and_counts_the_rest() -> None:

@@ -32,8 +32,8 @@ async def owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
         await broker.close()
 
 
-async def granted(broker: Broker) -> tuple[str, str]:
-    lease, token = await broker.request(parse_request({"gpu_memory": "1GiB", "bind": "none"}), Caller("tcp"))
+async def granted(broker: Broker, labels: dict[str, str] | None = None) -> tuple[str, str]:
+    lease, token = await broker.request(parse_request({"gpu_memory": "1GiB", "bind": "none", "labels": labels or {}}), Caller("tcp"))
     return lease.id, token
 
 
@@ -67,14 +67,14 @@ async def test_a_lease_another_nodes_document_lists_reads_in_the_apis_shape_of_a
     """What a member shows of this node's lease (GET /v1/leases/{id} and ?node= on the member) is the owner's own
     answer, as far as the document tells it, in the shape /openapi.json gives a lease."""
     mesh, broker = owner
-    lease_id, _ = await granted(broker)
+    lease_id, _ = await granted(broker, {"project": "lora", "team": "vision"})
     body = summarize(broker.node_json(), broker.list_leases("granted", 100))
     member_view = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, identity=None, cluster=None)  # type: ignore[arg-type]
     member_view.view.apply(NodeDocument("n-tower", 1, 1, 0.0, body, b""), now=0.0)
     listed = member_view.lease_of(lease_id)
     assert listed is not None
     own = broker.get(lease_id)
-    shared = ("id", "state", "epoch", "priority", "preemption", "gpus", "granted_at", "expires_at")
+    shared = ("id", "state", "epoch", "priority", "preemption", "gpus", "granted_at", "expires_at", "labels")
     assert listed == {**{key: own[key] for key in shared}, "node": "n-tower", "holder": {"name": own["holder"]["name"]}}
     assert member_view.leases_of("tower", 10) == [listed] == member_view.leases_of("n-tower", 10)
     assert member_view.owner_of(lease_id) == "n-tower"
@@ -90,6 +90,11 @@ def test_a_listed_lease_from_an_older_broker_has_no_epochs_and_a_malformed_one_i
     lease = listed_lease(body, "n-a", older)
     assert lease is not None
     assert (lease["epoch"], lease["gpus"]) == (None, [{"index": 0, "uuid": "GPU-0", "bytes": GIB, "epoch": None}])
+    assert lease["labels"] == {}  # an older broker's document lists none
+    for unreadable_labels in ("x", ["k", "v"], {"k": 1}, {"k": None}):
+        lease = listed_lease(body, "n-a", {**older, "labels": unreadable_labels})
+        assert lease is not None
+        assert lease["labels"] == {}
     for unreadable in ("x", [1], [True, [2]], ["1", "2"]):  # epochs of a shape this reader does not know: not given
         lease = listed_lease(body, "n-a", {**older, "epochs": unreadable})
         assert lease is not None
