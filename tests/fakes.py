@@ -31,6 +31,7 @@ class FakeGpuProbe:
     processes: dict[int, list[GpuProcess]] = field(default_factory=dict)
     error: str | None = None
     processes_listed: bool = True
+    uuids: list[str] | None = None  # each GPU's UUID, by index; GPU-fake-<index> unless given
 
     def external(self, index: int, size: int, name: str = "ollama", pid: int = 900001) -> None:
         self.processes[index] = [p for p in self.processes.get(index, []) if p.pid != pid]
@@ -44,6 +45,7 @@ class FakeGpuProbe:
         for index, total in enumerate(self.sizes):
             listed = tuple(self.processes.get(index, []))
             used = min(total, sum(p.bytes or 0 for p in listed))
-            reading = GpuReading(index, f"GPU-fake-{index}", "NVIDIA GeForce RTX 4090", total, used, self.clock.now(), listed)
+            uuid = self.uuids[index] if self.uuids else f"GPU-fake-{index}"
+            reading = GpuReading(index, uuid, "NVIDIA GeForce RTX 4090", total, used, self.clock.now(), listed)
             readings.append(reading if self.processes_listed else replace(reading, processes=None))
         return readings

@@ -138,18 +138,19 @@ def belongs_to(process: GpuProcess, lease: Lease) -> bool:
     return process.pgid is not None and process.pgid in lease.pgids
 
 
-def index_leases(leases: Iterable[Lease]) -> dict[int, GpuLeases]:
-    """The live leases grouped by accelerator index, in one pass."""
-    by_index: dict[int, GpuLeases] = {}
+def leases_by_gpu(leases: Iterable[Lease]) -> dict[str, GpuLeases]:
+    """The live leases grouped by accelerator UUID, in one pass. By UUID, not index: a lease stays on its own
+    card when the driver numbers the cards differently (one removed, their order changed at a reboot)."""
+    by_uuid: dict[str, GpuLeases] = {}
     for lease in leases:
         if lease.live:
             for gpu in lease.gpus:
-                by_index.setdefault(gpu.index, GpuLeases()).add(lease, gpu.bytes)
-    return by_index
+                by_uuid.setdefault(gpu.uuid, GpuLeases()).add(lease, gpu.bytes)
+    return by_uuid
 
 
-def compute_budgets(readings: Iterable[GpuReading], by_index: dict[int, GpuLeases], reserve: int) -> list[Budget]:
-    return [compute_budget(reading, by_index.get(reading.index) or GpuLeases(), reserve) for reading in readings]
+def compute_budgets(readings: Iterable[GpuReading], by_uuid: dict[str, GpuLeases], reserve: int) -> list[Budget]:
+    return [compute_budget(reading, by_uuid.get(reading.uuid) or GpuLeases(), reserve) for reading in readings]
 
 
 def compute_budget(reading: GpuReading, held: GpuLeases, reserve: int) -> Budget:

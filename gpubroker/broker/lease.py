@@ -65,8 +65,8 @@ class Lease:
     def live(self) -> bool:
         return self.state == LIVE
 
-    def bytes_on(self, index: int) -> int:
-        return sum(g.bytes for g in self.gpus if g.index == index)
+    def bytes_on(self, uuid: str) -> int:
+        return sum(g.bytes for g in self.gpus if g.uuid == uuid)
 
     def env(self) -> dict[str, str]:
         # Empty without GPUs: work under a CPU-only lease sees no GPU, rather than every GPU it inherited.

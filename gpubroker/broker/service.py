@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from gpubroker import __version__
 from gpubroker.broker import holders
-from gpubroker.broker.budget import Budget, GpuLeases, compute_budget, compute_budgets, index_leases, over_declared
+from gpubroker.broker.budget import Budget, GpuLeases, compute_budget, compute_budgets, leases_by_gpu, over_declared
 from gpubroker.broker.decide import HostBudget, Placement, candidates, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token
 from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeError, sample_host
@@ -99,7 +99,7 @@ class Waiter:
 @dataclass(slots=True)
 class _Reclaim:
     lease: str
-    index: int
+    uuid: str
     pids: frozenset[int]
     released_at: float
     reported: bool = False
@@ -176,14 +176,15 @@ class Broker:
         self._waiter_seq = 0
         self._stopping = False  # set by stop_waiting(): no request joins the queue any more
         self._lineage: frozenset[int] = frozenset({1})  # this broker and its ancestors (holders.broker_lineage), read at start
-        self._pressure: set[int] = set()
+        self._pressure: set[str] = set()  # accelerators (by UUID) under external pressure
+        self._missing: set[str] = set()  # accelerators (by UUID) that leases hold and the driver no longer lists
         self.over_declared_ids: set[str] = set()
         self._reclaims: list[_Reclaim] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch: holders.HolderWatch | None = None
         self._budgets: list[Budget] | None = None
-        self._stale: set[int] = set()  # accelerators (by index) whose budget must be computed again
-        self._on_gpu: dict[int, GpuLeases] = {}  # the live leases by accelerator, kept as they come and go
+        self._stale: set[str] = set()  # accelerators (by UUID) whose budget must be computed again
+        self._on_gpu: dict[str, GpuLeases] = {}  # the live leases by accelerator UUID, kept as they come and go
         self._leased_cores = 0  # what the live leases hold of the host, kept as they come and go
         self._leased_memory = 0
 
@@ -356,8 +357,8 @@ class Broker:
         for budget in self.budgets():
             index = budget.reading.index
             gpu = budget.reading.uuid
-            if budget.pressure and index not in self._pressure:
-                self._pressure.add(index)
+            if budget.pressure and gpu not in self._pressure:
+                self._pressure.add(gpu)
                 writes.append(
                     self._event(
                         "gpu.pressure.started",
@@ -367,8 +368,8 @@ class Broker:
                         details={"figures": budget.figures.to_json(), "external_processes": budget.external_by_name()},
                     )
                 )
-            elif not budget.pressure and index in self._pressure:
-                self._pressure.discard(index)
+            elif not budget.pressure and gpu in self._pressure:
+                self._pressure.discard(gpu)
                 writes.append(
                     self._event(
                         "gpu.pressure.ended",
@@ -381,7 +382,7 @@ class Broker:
             for lease, used in over_declared(budget):
                 if lease.id not in self.over_declared_ids:
                     self.over_declared_ids.add(lease.id)
-                    declared = lease.bytes_on(index)
+                    declared = lease.bytes_on(gpu)
                     writes.append(
                         self._event(
                             "lease.over_declared",
@@ -391,7 +392,7 @@ class Broker:
                             details={"declared": declared, "observed": used},
                         )
                     )
-            for reclaim in [r for r in self._reclaims if r.index == index]:
+            for reclaim in [r for r in self._reclaims if r.uuid == gpu]:
                 held = sum(p.process.bytes or 0 for p in budget.processes if p.process.pid in reclaim.pids)
                 if not held:
                     self._reclaims.remove(reclaim)
@@ -407,8 +408,31 @@ class Broker:
                             details={"bytes": held, "pids": sorted(reclaim.pids)},
                         )
                     )
+        if readings is not None:
+            writes += self._missing_gpus({r.uuid: r.index for r in readings})
         self._record(*writes)
         self._scan()
+
+    def _missing_gpus(self, seen: dict[str, int]) -> list[Write]:
+        """Events for the cards that leases hold and the driver stopped listing (or lists again): their
+        leases stay, counted on no other card, since their room was on that card alone."""
+        missing = {uuid for uuid, on in self._on_gpu.items() if on.held and uuid not in seen}
+        writes = []
+        for uuid in sorted(missing - self._missing):
+            on = self._on_gpu[uuid]
+            writes.append(
+                self._event(
+                    "gpu.missing",
+                    f"{uuid} is no longer listed by the driver; leases {', '.join(sorted(on.held))} hold {gib(on.declared)} GiB on it "
+                    "and stay until released or expired, counted on no other GPU",
+                    gpu=uuid,
+                    details={"leases": sorted(on.held), "bytes": on.declared},
+                )
+            )
+        for uuid in sorted((self._missing - missing) & seen.keys()):
+            writes.append(self._event("gpu.found", f"{uuid} is listed by the driver again, as GPU {seen[uuid]}", gpu=uuid))
+        self._missing = missing
+        return writes
 
     # ----- the figures ----------------------------------------------------
 
@@ -420,7 +444,7 @@ class Broker:
         elif self._stale:
             stale, reserve = self._stale, self.config.reserve
             self._budgets = [
-                compute_budget(b.reading, self._on_gpu.get(b.reading.index) or GpuLeases(), reserve) if b.reading.index in stale else b
+                compute_budget(b.reading, self._on_gpu.get(b.reading.uuid) or GpuLeases(), reserve) if b.reading.uuid in stale else b
                 for b in self._budgets
             ]
             stale.clear()
@@ -431,14 +455,14 @@ class Broker:
         if lease is None:
             self._budgets = None
         else:
-            self._stale.update(gpu.index for gpu in lease.gpus)
+            self._stale.update(gpu.uuid for gpu in lease.gpus)
 
     def _hold(self, lease: Lease) -> None:
         self.leases[lease.id] = lease
         self._leased_cores += lease.cpu_cores
         self._leased_memory += lease.memory
         for gpu in lease.gpus:
-            self._on_gpu.setdefault(gpu.index, GpuLeases()).add(lease, gpu.bytes)
+            self._on_gpu.setdefault(gpu.uuid, GpuLeases()).add(lease, gpu.bytes)
         self._changed(lease)
 
     def _unhold(self, lease: Lease) -> None:
@@ -446,7 +470,7 @@ class Broker:
             self._leased_cores -= lease.cpu_cores
             self._leased_memory -= lease.memory
         for gpu in lease.gpus:
-            held = self._on_gpu.get(gpu.index)
+            held = self._on_gpu.get(gpu.uuid)
             if held is not None:
                 held.remove(lease.id)
         self._changed(lease)
@@ -607,7 +631,7 @@ class Broker:
         """Whether the request cannot fit by its deadline even if every lease that may end by then does."""
         assert request.deadline is not None
         staying = [lease for lease in self.leases.values() if lease.preemption == "never" and lease.expires_at > request.deadline]
-        budgets = compute_budgets(self.readings, index_leases(staying), self.config.reserve)
+        budgets = compute_budgets(self.readings, leases_by_gpu(staying), self.config.reserve)
         return isinstance(self._place(request, set(), budgets), Refusal)
 
     def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
@@ -998,12 +1022,12 @@ class Broker:
     def _free(self, lease: Lease) -> None:
         """Give an ended lease's room back, stop what it left running, and grant what waits for the room."""
         if lease.gpus and any(reading.processes for reading in self.readings):
-            budgets = {b.reading.index: b for b in self.budgets()}
+            budgets = {b.reading.uuid: b for b in self.budgets()}
             for gpu in lease.gpus:
-                budget = budgets.get(gpu.index)
+                budget = budgets.get(gpu.uuid)
                 if budget is not None and budget.usage.get(lease.id):
                     pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
-                    self._reclaims.append(_Reclaim(lease.id, gpu.index, pids, lease.ended_at or self.clock.now()))
+                    self._reclaims.append(_Reclaim(lease.id, gpu.uuid, pids, lease.ended_at or self.clock.now()))
         self._unhold(lease)
         self.over_declared_ids.discard(lease.id)
         if self._watch is not None:

@@ -64,12 +64,13 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
                 "pressure": bool(gpu.get("pressure")),
             }
         )
+    now_at = {gpu["uuid"]: gpu["index"] for gpu in node.get("gpus", [])}  # a lease's card by its UUID, as the driver numbers it now
     records = [
         {
             "id": lease["id"],
             "holder": lease["holder"].get("name"),
             "priority": lease["priority"],
-            "gpus": [[g["index"], g["bytes"]] for g in lease.get("gpus", [])],
+            "gpus": [[now_at.get(g.get("uuid"), g["index"]), g["bytes"]] for g in lease.get("gpus", [])],  # where its card is now
             "epochs": [lease.get("epoch"), [g.get("epoch") for g in lease.get("gpus", [])]],  # the lease's, and each GPU's
             "preemption": lease.get("preemption"),
             "granted_at": lease.get("granted_at"),

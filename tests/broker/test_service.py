@@ -343,6 +343,41 @@ async def test_epochs_only_grow_across_restarts(make_node: Callable[..., Any]) -
     assert third["gpus"][0]["epoch"] > second["gpus"][0]["epoch"]
 
 
+async def test_a_lease_stays_on_its_card_by_uuid_when_the_driver_numbers_the_cards_anew(make_node: Callable[..., Any]) -> None:
+    """A card removed, or the cards' order changed (at a reboot, say): each lease still counts on its own card,
+    never on whichever card now has its index, so no card is leased twice over."""
+    node = await make_node([24 * GIB, 24 * GIB])
+    node.probe.uuids = ["GPU-a", "GPU-b"]
+    await node.sample()
+    on_b, _ = await node.ask(gpu_memory="20GiB", gpu=1)
+    assert on_b["gpus"][0]["uuid"] == "GPU-b"
+    node.probe.sizes, node.probe.uuids = [24 * GIB], ["GPU-b"]  # GPU-a is gone: GPU-b is GPU 0 now
+    await node.sample()
+    assert (node.gpu(0)["uuid"], node.gpu(0)["figures"]["leased"], node.gpu(0)["figures"]["schedulable"]) == ("GPU-b", 20 * GIB, 3 * GIB)
+    error = await node.refused(gpu_memory="20GiB")
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert not await node.events("gpu.missing")  # the card the lease is on is still there
+
+    node.probe.sizes, node.probe.uuids = [24 * GIB, 24 * GIB], ["GPU-b", "GPU-a"]  # the order changed, across a restart
+    await node.restart()
+    assert [(g["uuid"], g["figures"]["leased"]) for g in node.broker.node_json()["gpus"]] == [("GPU-b", 20 * GIB), ("GPU-a", 0)]
+
+    node.probe.sizes, node.probe.uuids = [24 * GIB], ["GPU-a"]  # the leased card is gone: its lease stays, counted on no other
+    await node.sample()
+    assert (node.gpu(0)["uuid"], node.gpu(0)["figures"]["leased"]) == ("GPU-a", 0)
+    assert node.broker.get(on_b["id"])["state"] == "granted"
+    [missing] = await node.events("gpu.missing")
+    assert (missing["gpu"], missing["details"]) == ("GPU-b", {"leases": [on_b["id"]], "bytes": 20 * GIB})
+    assert on_b["id"] in missing["message"]
+    await node.sample()
+    assert len(await node.events("gpu.missing")) == 1  # said once, not at every sample
+    node.probe.sizes, node.probe.uuids = [24 * GIB, 24 * GIB], ["GPU-a", "GPU-b"]
+    await node.sample()
+    [found] = await node.events("gpu.found")
+    assert (found["gpu"], found["message"]) == ("GPU-b", "GPU-b is listed by the driver again, as GPU 1")
+    assert node.gpu(1)["figures"]["leased"] == 20 * GIB
+
+
 async def test_a_production_request_on_a_node_not_eligible_is_capability_unavailable(make_node: Callable[..., Any]) -> None:
     node = await make_node(production_eligible=False)
     error = await node.refused(gpu_memory="1GiB", priority="production")

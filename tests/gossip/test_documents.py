@@ -201,6 +201,16 @@ def test_a_leases_labels_are_listed_as_far_as_labels_room_holds_them_so_one_leas
     assert [listed["labels"] for listed in listed_leases(body, NODE)] == [small, cut, {}]
 
 
+def test_a_listed_lease_names_its_card_by_the_index_the_driver_gives_that_card_now() -> None:
+    gpu = {"index": 0, "uuid": "GPU-b", "name": "RTX 4090", "figures": {"total": 24 * GIB}, "processes": []}
+    node = {"node": {"id": NODE, "name": "tower"}, "gpus": [gpu], "cpu": {}, "memory": {}, "queue": {}}
+    lease = {"id": "l-1", "state": "granted", "holder": {"name": "train"}, "priority": "batch", "epoch": 1,
+             "gpus": [{"index": 1, "uuid": "GPU-b", "bytes": GIB, "epoch": 1}], "expires_at": "2026-11-30T10:05:00.000Z"}  # fmt: skip
+    body = summarize(node, [lease])
+    assert body["leases"][0]["gpus"] == [[0, GIB]]  # granted as GPU 1; GPU-b is GPU 0 since the other card went
+    assert listed_leases(body, NODE)[0]["gpus"][0]["uuid"] == "GPU-b"
+
+
 def test_a_node_with_more_leases_than_a_document_holds_lists_what_fits_and_counts_the_rest() -> None:
     node = {"node": {"id": NODE, "name": "tower", "version": "0.1.0"}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}}
     leases = [
