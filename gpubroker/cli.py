@@ -165,8 +165,25 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 
 # CMD starts only once its process group is registered with the lease: a shell waits
 # on a pipe the parent writes after registering. If the parent dies first, the pipe
-# closes, the read fails, and the work never starts without its lease.
-_GATE = 'read -r _ <&{fd} && exec {fd}<&- && exec "$0" "$@"'
+# closes, the read fails, and the work never starts without its lease. The shell reads
+# the pipe as descriptor 3 whatever its number here: some shells (dash) know only
+# descriptors 0-9, and a caller that passed on open descriptors pushes a new pipe past 9.
+GATE_FD = 3
+_GATE = f'read -r _ <&{GATE_FD} && exec {GATE_FD}<&- && exec "$0" "$@"'
+STOP_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when CMD's lease has ended under it (as the broker's kill_grace)
+
+
+def _gate_in_child(gate: int, die_with_parent: Callable[[], None]) -> Callable[[], None]:
+    """In the child, before exec: the gate's pipe moved to GATE_FD (the lowest free descriptor when the pipe was made,
+    or one that Popen's close_fds would close anyway), and SIGTERM when the parent dies."""
+
+    def prepare() -> None:
+        if gate != GATE_FD:
+            os.dup2(gate, GATE_FD)
+            os.close(gate)
+        die_with_parent()
+
+    return prepare
 
 
 def cmd_lease(args: argparse.Namespace) -> int:
@@ -179,14 +196,26 @@ def cmd_lease(args: argparse.Namespace) -> int:
         return 75 if error.status in (409, 429, 503) else 1
     lease = answer["lease"]
     if not args.command:
-        if args.json:
-            _print_json(lease)
-        else:
-            gpus = ", ".join(f"GPU {g['index']} ({g['uuid']}) {gib(g['bytes'])} GiB" for g in lease["gpus"]) or "no GPU"
-            print(f"lease {lease['id']} granted: {gpus}; epoch {lease['epoch']}; expires {lease['expires_at']}")
-            print(f"token {lease['token']}")
-            for key, value in sorted(lease["env"].items()):
-                print(f"export {key}={value}")
+        try:
+            if sys.stdout is None:
+                raise OSError("standard output is closed")
+            if args.json:
+                _print_json(lease)
+            else:
+                gpus = ", ".join(f"GPU {g['index']} ({g['uuid']}) {gib(g['bytes'])} GiB" for g in lease["gpus"]) or "no GPU"
+                print(f"lease {lease['id']} granted: {gpus}; epoch {lease['epoch']}; expires {lease['expires_at']}")
+                print(f"token {lease['token']}")
+                for key, value in sorted(lease["env"].items()):
+                    print(f"export {key}={value}")
+            sys.stdout.flush()
+        except OSError as error:  # nobody got the lease's token: it goes, rather than live out its TTL unknown
+            with contextlib.suppress(ClientError):
+                client.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})
+            print(
+                f"gpubroker: lease {lease['id']} is released again: it could not be written out ({error.strerror or error})",
+                file=sys.stderr,
+            )
+            return 1
         return 0
     return _run_under_lease(client, lease, args.command)
 
@@ -237,11 +266,15 @@ class _Terminal:
 
 def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) -> int:
     token = {"X-Lease-Token": lease["token"]}
-    gate = os.pipe()
-    shim = ["/bin/sh", "-c", _GATE.format(fd=gate[0]), *command]
+    gate = os.pipe()  # the lowest free descriptors: if the reading end is not GATE_FD, GATE_FD is open here
+    shim = ["/bin/sh", "-c", _GATE, *command]
     try:
         child = subprocess.Popen(
-            shim, env=_child_env(lease["env"]), process_group=0, pass_fds=(gate[0],), preexec_fn=_die_with_parent(os.getpid())
+            shim,
+            env=_child_env(lease["env"]),
+            process_group=0,
+            pass_fds=tuple({gate[0], GATE_FD}),
+            preexec_fn=_gate_in_child(gate[0], _die_with_parent(os.getpid())),
         )
     except OSError as error:
         print(f"gpubroker: cannot run {command[0]}: {error.strerror}", file=sys.stderr)
@@ -257,10 +290,15 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
         os.write(gate[1], b"go\n")
     except ClientError as error:
         refused = error
+    except OSError as error:  # the shell waiting at the gate is gone (killed): CMD never started
+        refused = ClientError(0, "NOT_STARTED", f"the shell that starts {command[0]} ended before it could ({error.strerror})")
     finally:
         os.close(gate[1])
     if refused is not None:  # CMD never started (its gate closed unopened), and the lease goes with it
-        print(f"gpubroker: CMD's process group could not be registered: {refused.code}: {refused.message}", file=sys.stderr)
+        if refused.code == "NOT_STARTED":
+            print(f"gpubroker: {command[0]} did not start: {refused.message}", file=sys.stderr)
+        else:
+            print(f"gpubroker: CMD's process group could not be registered: {refused.code}: {refused.message}", file=sys.stderr)
         terminal.take_back()
         child.wait()
         with contextlib.suppress(ClientError):
@@ -284,7 +322,8 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
                 client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token)
             except ClientError as error:
                 print(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}", file=sys.stderr)
-                if error.status in (404, 409):
+                if error.status in (404, 409):  # the lease has ended: so does CMD, even if the broker could not see to it
+                    _stop_group(child.pid, done)
                     return
 
     renewer = threading.Thread(target=renew, daemon=True)
@@ -293,14 +332,29 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     terminal.take_back()
     done.set()
     _release_after(client, lease["id"], token)
+    if -code in (signal.SIGINT, signal.SIGQUIT):
+        # Ctrl-C (or Ctrl-\) ended CMD: end the same way, so the shell or script that ran `gpubroker lease` stops too.
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
     return code if code >= 0 else 128 - code
+
+
+def _stop_group(pgid: int, done: threading.Event) -> None:
+    """SIGTERM to CMD's group (and SIGCONT, should it be stopped), then SIGKILL after STOP_GRACE unless CMD has ended."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGCONT)
+        if not done.wait(STOP_GRACE):
+            os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _release_after(client: Client, lease_id: str, token: dict[str, str]) -> None:
     """CMD has exited: release its lease, or say why there was none left to release (released by someone
     else, expired while the broker could not be reached), since that is why CMD may have been stopped."""
     with contextlib.suppress(ClientError):
-        now = client.call("GET", f"/v1/leases/{lease_id}")["lease"]
+        now = _when_reachable(lambda: client.call("GET", f"/v1/leases/{lease_id}"))["lease"]
         if now.get("state") not in (None, "granted"):
             print(f"gpubroker: lease {lease_id} was {now['state']} before CMD ended: {now.get('reason')}", file=sys.stderr)
             return
@@ -309,6 +363,19 @@ def _release_after(client: Client, lease_id: str, token: dict[str, str]) -> None
     except ClientError as error:
         if error.status not in (404, 409):
             print(f"gpubroker: releasing {lease_id}: {error.code}: {error.message}", file=sys.stderr)
+
+
+def _when_reachable(call: Callable[[], Any], patience: float = 5.0) -> Any:
+    """A call tried again for a few seconds while no broker answers: one restarting expires leases (stopping their
+    work) before it listens, so CMD may end just before the broker can say why."""
+    give_up = time.monotonic() + patience
+    while True:
+        try:
+            return call()
+        except ClientError as error:
+            if error.code != "UNREACHABLE" or time.monotonic() > give_up:
+                raise
+        time.sleep(0.2)
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
@@ -624,7 +691,8 @@ class _Escaping:
 @contextlib.contextmanager
 def _escaped_output() -> Iterator[None]:
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Escaping(sys.stdout), _Escaping(sys.stderr)
+    # A stream closed before this process started is None: printing to it does nothing, as Python does.
+    sys.stdout, sys.stderr = (None if stream is None else _Escaping(stream) for stream in saved)
     try:
         yield
     finally:
@@ -638,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _escaped_output():
             code: int = args.run(args)
-        sys.stdout.flush()  # a reader gone away is met here, not in the interpreter's exit
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a reader gone away is met here, not in the interpreter's exit
     except ClientError as error:
         with _escaped_output():
             print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
@@ -648,4 +717,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `gpubroker events | head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 128 + signal.SIGPIPE
+    except OSError as error:  # the output cannot be written: a full disk, say
+        with contextlib.suppress(OSError):
+            print(f"gpubroker: the output could not be written: {error.strerror or error}", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 1
     return code

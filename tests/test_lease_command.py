@@ -228,3 +228,50 @@ def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease
     assert f"gpubroker: lease {lease['id']} was released before CMD ended: released by uid {os.getuid()}" in said, said
     later = client.call("GET", "/v1/events", query={"after": events_before, "limit": 1000})["events"]
     assert [e["type"] for e in later if e["type"] == "request.refused"] == []  # no DELETE of an ended lease was sent
+
+
+def test_cmd_starts_when_the_caller_passed_on_open_descriptors_past_9(gpubroker: list[str], broker_process: MakeBroker) -> None:
+    """Some shells (dash, Debian's /bin/sh) know only descriptors 0-9: CMD's start must not depend on which the caller left open."""
+    broker = start_broker(gpubroker, broker_process)
+    # As a CI runner or an IDE's terminal may: descriptors 3 to 9 open, so a pipe made next is numbered past 9.
+    caller = 'exec 3</dev/null 4</dev/null 5</dev/null 6</dev/null 7</dev/null 8</dev/null 9</dev/null; exec "$@"'
+    cmd = ["sh", "-c", "echo hello; ls /proc/$$/fd"]
+    done = subprocess.run(
+        ["sh", "-c", caller, "caller", *gpubroker, "lease", "--cpu-cores", "1", "--", *cmd], env=broker.env, capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done
+    said = done.stdout.decode().split()
+    assert said[0] == "hello"
+    assert not {str(fd) for fd in range(3, 13)} & set(said[1:])  # neither the caller's descriptors nor the gate reach CMD
+
+
+def test_cmd_ended_by_ctrl_c_ends_gpubroker_lease_by_sigint_so_a_calling_loop_stops_too(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    broker = start_broker(gpubroker, broker_process)
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--", "sh", "-c", "kill -INT $$; sleep 30"], broker.env)
+
+    assert holder.wait(30) == -signal.SIGINT, lease_log(tmp_path)  # as a shell sees a command Ctrl-C ended
+    assert broker.client().call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []  # released first
+
+
+def test_gpubroker_lease_whose_output_cannot_be_written_releases_the_lease_it_got(
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+) -> None:
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    for stdout in ("closed", "/dev/full"):
+        with open("/dev/full", "wb") as full:
+            done = subprocess.run(
+                [*gpubroker, "lease", "--cpu-cores", "1"],
+                env=broker.env,
+                stdout=full if stdout == "/dev/full" else None,
+                stderr=subprocess.PIPE,
+                timeout=60,
+                preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None,
+            )
+        said = done.stderr.decode()
+        assert done.returncode == 1, said
+        assert "is released again: it could not be written out" in said, said
+        assert "Traceback" not in said
+        assert client.call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []  # nobody holds a lease nobody knows of

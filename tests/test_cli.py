@@ -1,0 +1,72 @@
+"""Parts of `gpubroker lease -- CMD` that the process tests cannot reach at will: the ended lease's stop, a broker restarting."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from typing import Any
+
+import psutil
+import pytest
+from conftest import wait_for
+
+from gpubroker import cli
+from gpubroker.client import ClientError
+
+
+@pytest.fixture
+def group() -> Any:
+    """A process group whose members ignore SIGTERM, as work that will not stop when asked."""
+    proc = subprocess.Popen(["sh", "-c", 'trap "" TERM; sleep 60 & wait; wait'], process_group=0)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+
+
+def test_work_whose_lease_ended_gets_sigterm_then_sigkill_after_the_grace(group: subprocess.Popen[bytes], monkeypatch: Any) -> None:
+    monkeypatch.setattr(cli, "STOP_GRACE", 0.3)
+    wait_for(lambda: psutil.Process(group.pid).children(), timeout=5.0)  # the trap is set: its sleep has started
+    started = time.monotonic()
+    cli._stop_group(group.pid, threading.Event())
+    assert group.wait(5) == -signal.SIGKILL  # SIGTERM was ignored, so SIGKILL came
+    assert time.monotonic() - started >= 0.3
+
+
+def test_stopped_work_whose_lease_ended_is_continued_so_sigterm_ends_it(monkeypatch: Any) -> None:
+    monkeypatch.setattr(cli, "STOP_GRACE", 30.0)
+    proc = subprocess.Popen(["sleep", "60"], process_group=0)
+    try:
+        proc.send_signal(signal.SIGSTOP)  # Ctrl-Z
+        wait_for(lambda: open(f"/proc/{proc.pid}/stat").read().split(") ")[1][0] == "T", timeout=5.0)
+        done = threading.Event()
+        stopper = threading.Thread(target=cli._stop_group, args=(proc.pid, done))
+        stopper.start()
+        assert proc.wait(5) == -signal.SIGTERM  # not SIGKILL STOP_GRACE later
+        done.set()  # as `gpubroker lease` does once CMD has ended
+        stopper.join(5)
+        assert not stopper.is_alive()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_a_call_is_tried_again_while_no_broker_answers_and_only_then() -> None:
+    answers: list[Any] = [ClientError(0, "UNREACHABLE", "restarting"), ClientError(0, "UNREACHABLE", "restarting"), {"lease": {}}]
+
+    def call() -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert cli._when_reachable(call) == {"lease": {}}
+    with pytest.raises(ClientError, match="NOT_FOUND"):
+        cli._when_reachable(lambda: (_ for _ in ()).throw(ClientError(404, "NOT_FOUND", "no lease")))
+    started = time.monotonic()
+    with pytest.raises(ClientError, match="UNREACHABLE"):
+        cli._when_reachable(lambda: (_ for _ in ()).throw(ClientError(0, "UNREACHABLE", "down")), patience=0.3)
+    assert time.monotonic() - started >= 0.3
