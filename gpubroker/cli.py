@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ def _request_body(args: argparse.Namespace, bind: str) -> dict[str, Any]:
         holder["name"] = args.name
     if bind == "caller":
         holder["pid"] = os.getpid()  # the Unix socket replaces it with the kernel's word
-        holder.setdefault("name", printable_text(os.path.basename(args.command[0]))[:256])
+        holder.setdefault("name", printable_text(os.path.basename(args.command[0].rstrip("/")) or args.command[0] or "CMD")[:256])
     if holder:
         body["holder"] = holder
     if args.label:
@@ -402,7 +403,13 @@ def cmd_leases(args: argparse.Namespace) -> int:
 
 def cmd_release(args: argparse.Namespace) -> int:
     headers = {"X-Lease-Token": args.token} if args.token else {}
-    lease = Client().call("DELETE", f"/v1/leases/{args.id}", headers=headers)["lease"]
+    try:
+        lease = Client().call("DELETE", f"/v1/leases/{urllib.parse.quote(args.id, safe='')}", headers=headers)["lease"]
+    except ClientError as error:
+        if error.details.get("cancelled"):  # a request that waited: cancelling it is what releasing it means
+            print(f"request {args.id} cancelled: it was waiting and had no lease yet")
+            return 0
+        raise
     if args.json:
         _print_json(lease)
     else:
@@ -500,11 +507,17 @@ def cmd_keys(args: argparse.Namespace) -> int:
         raise SystemExit(f"gpubroker: keys {args.action} needs a key id")
     else:
         answer = client.call("POST", "/v1/cluster/keys", {args.action: args.key})
+    failed = {node: said for node, said in answer.get("members", {}).items() if said != "ok"}
     if args.json:
         _print_json(answer)
     else:
         for key in answer["keys"]:
             print(f"{key['id']}{'  (primary: seals datagrams)' if key['primary'] else ''}")
+        for node, said in sorted(answer.get("members", {}).items()):
+            print(f"member {node}: {said}", file=sys.stderr if said != "ok" else sys.stdout)
+    if failed:  # the keyring now differs between members: say so in the exit code too
+        print(f"gpubroker: the change was not made on {len(failed)} member(s): {', '.join(sorted(failed))}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -112,6 +112,20 @@ def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cl
     assert never.returncode == 75
     assert "CAPABILITY_UNAVAILABLE" in never.stderr
     assert json.loads(held.stdout)["state"] == "granted"
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "gpubroker", "lease", "--gpu-memory", "20GiB", "--wait", "5m"],
+        env=broker.env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: broker.client().call("GET", "/v1/leases", query={"state": "queued"})["leases"], timeout=20.0)
+    [queued] = broker.client().call("GET", "/v1/leases", query={"state": "queued"})["leases"]
+    cancelled = cli("release", queued["id"])  # releasing a request that waits cancels it: done, not a failure
+    assert (cancelled.returncode, cancelled.stdout) == (0, f"request {queued['id']} cancelled: it was waiting and had no lease yet\n")
+    assert waiting.wait(30) == 75
+    for odd in ("a b", "l-1?state=granted", "../healthz"):  # an id is one path segment, whatever it holds
+        unknown = cli("release", odd)
+        assert (unknown.returncode, unknown.stderr.split(":")[1].strip()) == (1, "NOT_FOUND"), unknown.stderr
 
 
 def test_events_lists_every_kept_event_and_as_json_one_document(broker_process: type[BrokerProcess]) -> None:
