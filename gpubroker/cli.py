@@ -258,6 +258,25 @@ class _Terminal:
     def hand_to(self, pgid: int) -> None:
         self._set(pgid)
 
+    @property
+    def ours(self) -> bool:
+        """Whether this process's group has the terminal (the job is in the foreground)."""
+        if self._fd is None:
+            return False
+        try:
+            return os.tcgetpgrp(self._fd) == self._ours
+        except OSError:
+            return False
+
+    @property
+    def held(self) -> bool:
+        """Whether CMD was given the terminal (this process started in the foreground of one)."""
+        return self._fd is not None
+
+    def give_back(self) -> None:
+        """The terminal to this process's group, still held (CMD was stopped: the shell is to get it back)."""
+        self._set(self._ours)
+
     def take_back(self) -> None:
         self._set(self._ours)
         if self._fd is not None:
@@ -309,6 +328,8 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     def forward(signum: int, _frame: object) -> None:
         try:
             os.killpg(child.pid, signum)
+            if signum != signal.SIGINT:
+                os.killpg(child.pid, signal.SIGCONT)  # a stopped CMD acts on SIGTERM or SIGHUP only once continued
         except ProcessLookupError:
             pass
 
@@ -329,7 +350,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
 
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
-    code = child.wait()
+    code = _wait_as_a_job(child, terminal)
     terminal.take_back()
     done.set()
     _release_after(client, lease["id"], token)
@@ -338,6 +359,28 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code if code >= 0 else 128 - code
+
+
+def _wait_as_a_job(child: subprocess.Popen[bytes], terminal: _Terminal) -> int:
+    """CMD's exit code (negative: the signal that ended it). At a terminal, CMD stopped by Ctrl-Z stops this
+    process too, so the shell that started it gets its terminal and job back; `fg` hands the terminal to CMD again
+    and continues it, `bg` continues it in the background. The lease is held (and renewed) meanwhile."""
+    while True:
+        try:
+            _, status = os.waitpid(child.pid, os.WUNTRACED)
+        except InterruptedError:
+            continue
+        if not os.WIFSTOPPED(status):
+            child.returncode = os.waitstatus_to_exitcode(status)
+            return child.returncode
+        if terminal.ours or not terminal.held:
+            continue  # not stopped from the terminal (a SIGSTOP sent to it, say): whoever stopped it continues it
+        terminal.give_back()
+        os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until the shell continues the job (fg or bg)
+        if terminal.ours:  # fg: the shell gave this job the terminal
+            terminal.hand_to(child.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGCONT)
 
 
 def _stop_group(pgid: int, done: threading.Event) -> None:

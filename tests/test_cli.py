@@ -1,7 +1,9 @@
-"""Parts of `gpubroker lease -- CMD` that the process tests cannot reach at will: the ended lease's stop, a broker restarting."""
+"""How work whose lease ended is stopped, by `gpubroker lease` and by the broker, and the CLI's patience with a restarting broker."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import subprocess
 import threading
@@ -13,6 +15,7 @@ import pytest
 from conftest import wait_for
 
 from gpubroker import cli
+from gpubroker.broker import holders
 from gpubroker.client import ClientError
 
 
@@ -70,3 +73,17 @@ def test_a_call_is_tried_again_while_no_broker_answers_and_only_then() -> None:
     with pytest.raises(ClientError, match="UNREACHABLE"):
         cli._when_reachable(lambda: (_ for _ in ()).throw(ClientError(0, "UNREACHABLE", "down")), patience=0.3)
     assert time.monotonic() - started >= 0.3
+
+
+async def test_the_broker_continues_a_stopped_group_it_stops_so_sigterm_ends_it_without_waiting_for_sigkill() -> None:
+    proc = subprocess.Popen(["sleep", "60"], process_group=0)
+    try:
+        proc.send_signal(signal.SIGSTOP)  # Ctrl-Z, and then the lease ended
+        wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, timeout=5.0)
+        stopping = asyncio.create_task(holders.stop_groups([proc.pid], [os.getuid()], grace=30.0))
+        assert await asyncio.to_thread(proc.wait, 5) == -signal.SIGTERM  # reaped here: the broker's holders are not its children
+        await asyncio.wait_for(stopping, 5)  # and the group is seen gone long before the grace
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)

@@ -7,9 +7,13 @@ group is signalled. CMD's own exit code, environment and release are checked her
 
 from __future__ import annotations
 
+import fcntl
 import os
+import select
 import signal
 import subprocess
+import sys
+import termios
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -275,3 +279,89 @@ def test_gpubroker_lease_whose_output_cannot_be_written_releases_the_lease_it_go
         assert "is released again: it could not be written out" in said, said
         assert "Traceback" not in said
         assert client.call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []  # nobody holds a lease nobody knows of
+
+
+def process_state(pid: int) -> str:
+    """R, S, T (stopped), Z... as /proc/PID/stat gives it."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+# A shell's job control, as little of it as the Ctrl-Z test needs, run as the session leader of a pseudo-terminal:
+# the job (argv[3:]) in a process group of its own in the foreground; when it stops, the terminal is taken back and
+# "stopped" said on descriptor argv[1]; a line on descriptor argv[2] is `fg`; the job's exit status is said at its end.
+MINI_SHELL = """\
+import os, signal, subprocess, sys
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+report, fg = int(sys.argv[1]), int(sys.argv[2])
+job = subprocess.Popen(sys.argv[3:], process_group=0)
+os.tcsetpgrp(0, job.pid)
+while True:
+    _, status = os.waitpid(job.pid, os.WUNTRACED)
+    if not os.WIFSTOPPED(status):
+        os.write(report, f"exit {os.waitstatus_to_exitcode(status)}\\n".encode())
+        break
+    os.tcsetpgrp(0, os.getpgrp())
+    os.write(report, f"stopped {job.pid}\\n".encode())
+    os.read(fg, 100)
+    os.tcsetpgrp(0, job.pid)
+    os.killpg(job.pid, signal.SIGCONT)
+"""
+
+
+def said_within(fd: int, timeout: float = 10.0) -> str:
+    """One line from a pipe, or what was there when `timeout` passed without its end."""
+    line = b""
+    deadline = time.monotonic() + timeout
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready or not (chunk := os.read(fd, 1)):
+            return line.decode() + f" [nothing more within {timeout:g}s]"
+        line += chunk
+    return line.decode()
+
+
+def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_and_fg_continues_both(
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+) -> None:
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    master, slave = os.openpty()
+    said, to_shell = os.pipe()  # the shell's reports, and its `fg`
+    shell_reads, tell = os.pipe()
+
+    def session() -> None:
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--", "sleep", "60"]
+    shell = subprocess.Popen(
+        [sys.executable, "-c", MINI_SHELL, str(to_shell), str(shell_reads), *argv], env=broker.env, stdin=slave, stdout=slave, stderr=slave,
+        pass_fds=(to_shell, shell_reads), preexec_fn=session,
+    )  # fmt: skip
+    os.close(slave)
+    os.close(to_shell)
+    os.close(shell_reads)
+    try:
+        wait_for(lambda: [lease for lease in client.call("GET", "/v1/leases")["leases"] if lease.get("process_groups")], timeout=20.0)
+        [lease] = client.call("GET", "/v1/leases")["leases"]
+        holder, [cmd] = lease["holder"]["pid"], lease["process_groups"]
+        wait_for(lambda: os.tcgetpgrp(master) == cmd, timeout=5.0)  # CMD has the terminal
+
+        os.write(master, b"\x1a")  # Ctrl-Z
+        assert said_within(said) == f"stopped {holder}\n"  # the job stopped, as the shell sees it, and it has its terminal
+        assert process_state(cmd) == "T"
+        assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"  # held meanwhile
+
+        os.write(tell, b"fg\n")
+        wait_for(lambda: process_state(cmd) == "S" and os.tcgetpgrp(master) == cmd, timeout=5.0)  # CMD has it again, running
+
+        os.write(master, b"\x03")  # Ctrl-C reaches CMD, and ends the job by SIGINT
+        assert said_within(said) == f"exit {-signal.SIGINT}\n"
+        assert shell.wait(30) == 0
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+            shell.wait(10)
+        os.close(said)
+        os.close(tell)
+        os.close(master)

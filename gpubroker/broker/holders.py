@@ -125,6 +125,8 @@ async def stop_groups(pgids: list[int], uids: list[int], grace: float) -> None:
     Only groups still as they were registered (`signalable_groups`), looked at again before each signal.
     """
     alive = [pgid for pgid in await asyncio.to_thread(signalable_groups, pgids, uids) if signal_group(pgid, signal.SIGTERM)]
+    for pgid in alive:  # a stopped group (Ctrl-Z) acts on SIGTERM only once continued
+        signal_group(pgid, signal.SIGCONT)
     owner = dict(zip(pgids, uids, strict=False))
     waited = 0.0
     while alive and waited < grace:
