@@ -40,7 +40,7 @@ from gpubroker.gossip.documents import (
 )
 from gpubroker.gossip.identity import Identity, IdentityError, node_id_of, node_id_of_certificate, public_key_of
 from gpubroker.gossip.keyring import cluster_hash, key_id
-from gpubroker.gossip.membership import Membership, MembershipConfig
+from gpubroker.gossip.membership import Membership, MembershipConfig, MemberView
 from gpubroker.gossip.messages import Addr, DocumentNotice, MemberState, Message, PushPull
 from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, call_for_join, call_member, call_unpinned
 
@@ -366,9 +366,10 @@ class Mesh:
 
     # ----- TCP: push-pull, pings, documents ----------------------------------
 
-    async def _call(self, addr: Addr, request: dict[str, Any]) -> dict[str, Any] | None:
+    async def _call(self, addr: Addr, request: dict[str, Any], expect: str | None = None) -> dict[str, Any] | None:
+        """The answer of the member at `addr` (only `expect`'s, when given: an address may since be another member's), or None."""
         try:
-            return await call_member(addr, self.identity, self.cluster.members_der(), request)
+            return await call_member(addr, self.identity, self.cluster.members_der(), request, expect=expect)
         except PeerError as error:
             log.debug("peer %s: %s", addr, error)
             return None
@@ -402,7 +403,7 @@ class Mesh:
                     self._apply_keys({"install": key})
 
     async def _tcp_ping(self, request: Any) -> None:
-        answer = await self._call(request.addr, {"op": "ping", "ping": wire.encode(request.ping)})
+        answer = await self._call(request.addr, {"op": "ping", "ping": wire.encode(request.ping)}, expect=request.node)
         ok = bool(answer and answer.get("ack"))
         now = self.clock()
         self.membership.tcp_ping_result(now, request.node, ok)
@@ -420,7 +421,7 @@ class Mesh:
             member = self.membership.member(notice.node)
             if member is None:
                 return
-            answer = await self._call(member.addr, {"op": "document", "node": notice.node})
+            answer = await self._call(member.addr, {"op": "document", "node": notice.node}, expect=notice.node)
             if answer and isinstance(answer.get("document"), bytes):
                 self._take_document(answer["document"])
                 return
@@ -625,13 +626,16 @@ class Mesh:
     async def forward_release(self, lease_id: str, token: str | None, admin: str | None = None) -> dict[str, Any] | None:
         """Ask the lease's own node to release it; it authorises the request (the token, or this node's admin). None: no node holds it."""
         owner = self.owner_of(lease_id)
-        member = self.membership.member(owner) if owner else None
-        if member is None:
+        if owner is None:
             return None
-        answer = await self._call(member.addr, {"op": "release", "lease": lease_id, "token": token, "admin": admin})
+        member = self.membership.member(owner)
+        if member is None or member.state in (MemberState.DEAD, MemberState.LEFT):
+            raise self._owner_gone(lease_id, owner, member)
+        # Only the owner may answer: the address it had may now be another member's, which must not release in its name.
+        answer = await self._call(member.addr, {"op": "release", "lease": lease_id, "token": token, "admin": admin}, expect=owner)
         if answer is None:
             raise BrokerError(
-                FailureCode.TIMEOUT, f"lease {lease_id} is held by node {self._name_of(owner or '')}, which did not answer", {"node": owner}
+                FailureCode.TIMEOUT, f"lease {lease_id} is held by node {self._name_of(owner)}, which did not answer", {"node": owner}
             )
         if "failure" in answer and isinstance(answer["failure"], dict):
             failure = answer["failure"].get("error", {})
@@ -642,6 +646,23 @@ class Mesh:
             raise BrokerError(code, str(failure.get("message")), {**dict(failure.get("details") or {}), "node": owner})
         lease: dict[str, Any] | None = answer.get("lease")
         return lease
+
+    def _owner_gone(self, lease_id: str, owner: str, member: MemberView | None) -> BrokerError:
+        """Why a lease whose node is dead, has left or is no longer heard of cannot be released from here now."""
+        entry = self.cluster.members.get(owner) if member is None else None
+        name = entry["name"] if entry else self._name_of(owner)
+        details: dict[str, Any]
+        if member is None:  # dead or gone long enough for the membership to have dropped it
+            what, details = "is not heard of", {"node": owner, "state": None, "ago": None}
+        else:
+            ago = max(0.0, self.clock() - member.since)
+            what = f"{'left' if member.state is MemberState.LEFT else 'failed'} {ago:.0f} s ago"
+            details = {"node": owner, "state": member.state.value, "ago": round(ago, 3)}
+        return BrokerError(
+            FailureCode.LEASE_CONFLICT,
+            f"lease {lease_id} is held by node {name}, which {what}; its leases cannot be released until it returns",
+            {**details, "lease": lease_id},
+        )
 
     # ----- administration (the API checks who may) ---------------------------------
 
@@ -707,7 +728,7 @@ class Mesh:
             raise BrokerError(FailureCode.INVALID_REQUEST, str(error), {}) from None
         self.broker.record_event("mesh.keys", f"keyring change {next(iter(applied))} made here and sent to the members", details={})
         live = [m for m in self._others() if m.state is MemberState.ALIVE]
-        answers = await asyncio.gather(*(self._call(m.addr, {"op": "keys", "change": applied}) for m in live))
+        answers = await asyncio.gather(*(self._call(m.addr, {"op": "keys", "change": applied}, expect=m.node) for m in live))
         results = {
             m.node: ("ok" if a is not None and "error" not in a else str((a or {}).get("error", "no answer")))
             for m, a in zip(live, answers, strict=True)

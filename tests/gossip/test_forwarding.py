@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,14 @@ from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
+from gpubroker.errors import BrokerError
+from gpubroker.gossip.cluster import ClusterState, decode_token
 from gpubroker.gossip.documents import NodeDocument, listed_lease, summarize
+from gpubroker.gossip.identity import Identity
+from gpubroker.gossip.membership import MemberView
 from gpubroker.gossip.mesh import Mesh, MeshSettings
+from gpubroker.gossip.messages import Addr, MemberState
+from gpubroker.gossip.transport import PeerServer
 from gpubroker.ui.openapi import OPENAPI
 
 
@@ -102,3 +109,85 @@ def test_a_listed_lease_from_an_older_broker_has_no_epochs_and_a_malformed_one_i
     assert listed_lease(body, "n-a", {**older, "epochs": [7, [3]]})["gpus"][0]["epoch"] == 3  # type: ignore[index]
     for broken in ({**older, "gpus": [[0, GIB, 3]]}, {**older, "gpus": 5}, {"id": "l-2"}):
         assert listed_lease(body, "n-a", broken) is None
+
+
+# -- forwarding to the owner over mutual TLS -------------------------------------------------------------
+
+NOW = 1_800_000_000.0
+LEASE = {"id": "l-0123456789ab", "holder": "train", "priority": "batch", "gpus": [[0, GIB]], "expires_at": "2027-01-15T08:00:00.000Z"}
+
+
+@dataclass
+class FakeMembership:
+    """The membership as the mesh reads it: each node's address and state, and since when (on this node's clock)."""
+
+    views: dict[str, MemberView] = field(default_factory=dict)
+
+    def set(self, node: str, addr: Addr, state: MemberState, since: float = NOW) -> None:
+        self.views[node] = MemberView(node, addr, state, 1, b"", since)
+
+    def member(self, node: str) -> MemberView | None:
+        return self.views.get(node)
+
+    def members(self) -> list[MemberView]:
+        return list(self.views.values())
+
+
+@dataclass
+class Trio:
+    """Three admitted members: `mesh` is node-a's, which forwards; node-b owns the lease; node-c is another member."""
+
+    mesh: Mesh
+    membership: FakeMembership
+    b: Identity
+    c: Identity
+    cluster: ClusterState
+
+
+@pytest.fixture
+async def trio(tmp_path: Path) -> Trio:
+    a, b, c = (Identity.load_or_create(tmp_path / name) for name in ("a", "b", "c"))
+    cluster = ClusterState.init(tmp_path / "cluster", a, "node-a", now=NOW)
+    for identity, name in ((b, "node-b"), (c, "node-c")):
+        secret = decode_token(cluster.invite(("127.0.0.1", 9741), a, 600, NOW)).secret
+        cluster.redeem(secret, identity.certificate_pem().decode(), name, NOW, a.node_id)
+    membership = FakeMembership()
+    clock = FakeClock(NOW)
+    mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), None, a, cluster, clock=clock.now)  # type: ignore[arg-type]
+    mesh._membership = membership  # type: ignore[assignment]
+    mesh.view.apply(NodeDocument(b.node_id, 1, 1, NOW, {"name": "node-b", "gpus": [{"index": 0}], "leases": [LEASE]}, b""), NOW)
+    return Trio(mesh, membership, b, c, cluster)
+
+
+async def test_a_forwarded_release_is_answered_only_by_the_leases_own_node_not_by_another_member_now_at_its_address(
+    trio: Trio,
+) -> None:
+    asked: list[dict[str, Any]] = []
+
+    async def releases_anything(peer: str | None, request: dict[str, Any]) -> dict[str, Any]:
+        asked.append(request)
+        return {"lease": {"id": request.get("lease"), "state": "released"}}
+
+    # node-b restarted elsewhere; node-c now listens where node-b did, and the view has not caught up yet.
+    server = await PeerServer.start(("127.0.0.1", 0), trio.c, trio.cluster.members_der, releases_anything)
+    try:
+        trio.membership.set(trio.b.node_id, server.address, MemberState.ALIVE)
+        with pytest.raises(BrokerError, match="held by node .*, which did not answer") as refused:
+            await trio.mesh.forward_release(LEASE["id"], "the-token")
+    finally:
+        await server.close()
+    assert refused.value.details["node"] == trio.b.node_id
+    assert asked == []  # node-c never saw the request, let alone released anything in node-b's name
+
+
+@pytest.mark.parametrize(("state", "said"), [(MemberState.LEFT, "left 40 s ago"), (MemberState.DEAD, "failed 40 s ago")])
+async def test_a_release_of_a_lease_whose_node_is_gone_says_so_and_asks_nobody(trio: Trio, state: MemberState, said: str) -> None:
+    trio.membership.set(trio.b.node_id, ("127.0.0.1", 9), state, since=NOW - 40)
+    with pytest.raises(BrokerError) as refused:
+        await trio.mesh.forward_release(LEASE["id"], "the-token")
+    assert (
+        str(refused.value)
+        == f"lease {LEASE['id']} is held by node {trio.b.node_id}, which {said}; its leases cannot be released until it returns"
+    )
+    assert refused.value.code == "LEASE_CONFLICT"
+    assert refused.value.details == {"node": trio.b.node_id, "state": state.value, "ago": 40.0, "lease": LEASE["id"]}
