@@ -31,6 +31,7 @@ from gpubroker.gossip.discovery import Discovery, Sighting
 from gpubroker.gossip.documents import (
     ClusterView,
     DocumentError,
+    NodeDocument,
     Publisher,
     listed_lease,
     listed_leases,
@@ -349,7 +350,7 @@ class Mesh:
             meta = _Meta.decode(member.meta)
             candidates[Candidate(meta.priority if meta else 0, member.node)] = member.state
         chosen = choose(self.coordinator, candidates)
-        for document, _ in self.view.documents():
+        for document in self._documents():
             announced = document.body.get("coordinator")
             if isinstance(announced, list) and len(announced) == 3:
                 with contextlib.suppress(TypeError, ValueError):
@@ -440,6 +441,10 @@ class Mesh:
         if not isinstance(remote, dict):
             return
         changed = self.cluster.merge(remote, self.clock())
+        for node in changed:
+            if self.cluster.is_removed(node):
+                # As where the removal was made: its leases are no longer shown here, nor its releases forwarded to it.
+                self.view.forget(node)
         if changed and self._server is not None:
             members = self.cluster.members_der()
             for node in changed:
@@ -595,9 +600,15 @@ class Mesh:
 
     # ----- acting on another node's lease ----------------------------------------
 
+    def _documents(self) -> Iterator[NodeDocument]:
+        """The other nodes' documents, but for removed nodes': a removal learnt by push-pull may race a document in flight."""
+        for document, _ in self.view.documents():
+            if not self.cluster.is_removed(document.node):
+                yield document
+
     def _records(self) -> Iterator[tuple[Any, dict[str, Any]]]:
         """Each lease record of the other nodes' documents, with its document."""
-        for document, _ in self.view.documents():
+        for document in self._documents():
             for record in document.body.get("leases", []):
                 if isinstance(record, dict):
                     yield document, record
@@ -610,7 +621,7 @@ class Mesh:
     def leases_of(self, node: str, limit: int) -> list[dict[str, Any]]:
         """The granted leases another node's document lists (as `listed_leases` reads them), by its id or its name;
         none for a node not known."""
-        for document, _ in self.view.documents():
+        for document in self._documents():
             if node in (document.node, document.body.get("name")):
                 return listed_leases(document.body, document.node)[:limit]
         return []

@@ -24,6 +24,8 @@ from gpubroker.gossip.messages import Addr, MemberState
 from gpubroker.gossip.transport import PeerServer
 from gpubroker.ui.openapi import OPENAPI
 
+NOW = 1_800_000_000.0
+
 
 @pytest.fixture
 async def owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Mesh, Broker]]:
@@ -70,13 +72,14 @@ async def test_the_token_or_a_members_admin_releases_and_the_owner_names_the_mem
     assert answer["lease"]["reason"] == "released by root on the Unix socket of nuc"
 
 
-async def test_a_lease_another_nodes_document_lists_reads_in_the_apis_shape_of_a_lease(owner: tuple[Mesh, Broker]) -> None:
+async def test_a_lease_another_nodes_document_lists_reads_in_the_apis_shape_of_a_lease(owner: tuple[Mesh, Broker], tmp_path: Path) -> None:
     """What a member shows of this node's lease (GET /v1/leases/{id} and ?node= on the member) is the owner's own
     answer, as far as the document tells it, in the shape /openapi.json gives a lease."""
     mesh, broker = owner
     lease_id, _ = await granted(broker, {"project": "lora", "team": "vision"})
     body = summarize(broker.node_json(), broker.list_leases("granted", 100))
-    member_view = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, identity=None, cluster=None)  # type: ignore[arg-type]
+    cluster = ClusterState.init(tmp_path / "cluster", Identity.generate(), "nuc", now=NOW)
+    member_view = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, identity=None, cluster=cluster)  # type: ignore[arg-type]
     member_view.view.apply(NodeDocument("n-tower", 1, 1, 0.0, body, b""), now=0.0)
     listed = member_view.lease_of(lease_id)
     assert listed is not None
@@ -113,7 +116,6 @@ def test_a_listed_lease_from_an_older_broker_has_no_epochs_and_a_malformed_one_i
 
 # -- forwarding to the owner over mutual TLS -------------------------------------------------------------
 
-NOW = 1_800_000_000.0
 LEASE = {"id": "l-0123456789ab", "holder": "train", "priority": "batch", "gpus": [[0, GIB]], "expires_at": "2027-01-15T08:00:00.000Z"}
 
 
@@ -155,7 +157,8 @@ async def trio(tmp_path: Path) -> Trio:
     clock = FakeClock(NOW)
     mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), None, a, cluster, clock=clock.now)  # type: ignore[arg-type]
     mesh._membership = membership  # type: ignore[assignment]
-    mesh.view.apply(NodeDocument(b.node_id, 1, 1, NOW, {"name": "node-b", "gpus": [{"index": 0}], "leases": [LEASE]}, b""), NOW)
+    body = {"name": "node-b", "gpus": [{"index": 0, "uuid": "GPU-0"}], "leases": [LEASE]}
+    mesh.view.apply(NodeDocument(b.node_id, 1, 1, NOW, body, b""), NOW)
     return Trio(mesh, membership, b, c, cluster)
 
 
@@ -191,3 +194,25 @@ async def test_a_release_of_a_lease_whose_node_is_gone_says_so_and_asks_nobody(t
     )
     assert refused.value.code == "LEASE_CONFLICT"
     assert refused.value.details == {"node": trio.b.node_id, "state": state.value, "ago": 40.0, "lease": LEASE["id"]}
+
+
+def removal_of(cluster: ClusterState, node: str, at: float) -> dict[str, Any]:
+    """What a member where `node` was removed sends in a push-pull."""
+    sent = cluster.export()
+    del sent["members"][node]
+    return {**sent, "removed": {**sent["removed"], node: at}}
+
+
+async def test_a_removal_learnt_by_push_pull_forgets_the_removed_nodes_document_and_its_leases(trio: Trio) -> None:
+    assert trio.mesh.lease_of(LEASE["id"]) is not None
+    trio.mesh._merge_cluster(removal_of(trio.cluster, trio.b.node_id, NOW + 5))
+    assert trio.mesh.view.knows(trio.b.node_id) is None
+    assert trio.mesh.lease_of(LEASE["id"]) is None  # GET /v1/leases/{id}: not found, rather than still granted
+    assert trio.mesh.leases_of("node-b", 10) == []
+    assert await trio.mesh.forward_release(LEASE["id"], "the-token") is None  # nothing is forwarded to it
+
+
+async def test_a_removed_nodes_document_still_held_lists_no_lease(trio: Trio) -> None:
+    trio.cluster.remove(trio.b.node_id, NOW + 5)  # the removal is known, the document not yet forgotten
+    assert trio.mesh.view.knows(trio.b.node_id) is not None
+    assert (trio.mesh.lease_of(LEASE["id"]), trio.mesh.owner_of(LEASE["id"]), trio.mesh.leases_of(trio.b.node_id, 10)) == (None, None, [])
