@@ -22,6 +22,7 @@ import msgpack
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.service import ADMINS, Broker, Caller
 from gpubroker.errors import BrokerError, FailureCode
 from gpubroker.gossip import wire
@@ -748,22 +749,24 @@ class Mesh:
 
     # ----- what the API shows ---------------------------------------------------
 
-    def elsewhere(self, need: int, gpus: int) -> list[dict[str, Any]]:
-        """Live peers whose documents show room for `gpus` GPUs of `need` bytes now, freshest first."""
+    def elsewhere(self, request: LeaseRequest) -> list[dict[str, Any]] | None:
+        """Live peers whose documents show room for the request's GPUs now, freshest first; None for a request pinned
+        to a GPU (a card of this node, which no peer has)."""
+        if request.gpu is not None:
+            return None
         now = self.clock()
         found = []
         for member in self._others():
             held = self.view.held.get(member.node)
             if held is None or member.state is not MemberState.ALIVE:
                 continue
-            roomy = [
-                g for g in held.document.body.get("gpus", []) if isinstance(g, dict) and g.get("figures", {}).get("schedulable", 0) >= need
-            ]
-            if len(roomy) >= max(1, gpus):
+            body = held.document.body
+            roomy = [g for g in body.get("gpus", []) if isinstance(g, dict) and _has_room(g, request, body, held.document.node)]
+            if len(roomy) >= max(1, request.gpus):
                 found.append(
                     {
                         "node": member.node,
-                        "name": held.document.body.get("name"),
+                        "name": body.get("name"),
                         "age": round(now - held.received_at, 3),
                         "gpus": [{"index": g.get("index"), "uuid": g.get("uuid"), "figures": g.get("figures")} for g in roomy],
                     }
@@ -800,6 +803,20 @@ class Mesh:
             nodes.append(entry)
         coordinator = {"id": self.coordinator.node, "epoch": self.coordinator.epoch} if self.coordinator else None
         return {"nodes": nodes, "coordinator": coordinator, "health": self.membership.health_score()}
+
+
+def _has_room(gpu: dict[str, Any], request: LeaseRequest, body: dict[str, Any], node: str) -> bool:
+    """Whether a GPU of another node's document shows room for `request`, as that node would decide (decide._room)."""
+    figures = gpu.get("figures")
+    if not isinstance(figures, dict):
+        return False
+    if not request.exclusive:
+        return bool(figures.get("schedulable", 0) >= request.gpu_memory)
+    # Exclusive: the whole GPU, so none of its memory may be leased, whatever is still schedulable beside a lease.
+    if figures.get("leased", 0) or any(g["index"] == gpu.get("index") for lease in listed_leases(body, node) for g in lease["gpus"]):
+        return False
+    room = figures.get("total", 0) - figures.get("external", 0) - figures.get("resident", 0) - figures.get("reserve", 0)
+    return bool(room > 0 and room >= request.gpu_memory)
 
 
 def _host_port(addr: tuple[str, int] | list[Any]) -> str:

@@ -362,8 +362,10 @@ async def create_lease(request: web.Request) -> web.Response:
     except Refusal as refusal:
         mesh = request.app[MESH].mesh
         if mesh is not None and refusal.code in ROOM_CODES and lease_request.wants_gpus:
-            # A hint, never a decision: where the documents show room now, with how fresh each is.
-            refusal.details["elsewhere"] = mesh.elsewhere(lease_request.gpu_memory, lease_request.gpus)
+            # A hint, never a decision: where the documents show room now, with how fresh each is (none when pinned to a GPU here).
+            hint = mesh.elsewhere(lease_request)
+            if hint is not None:
+                refusal.details["elsewhere"] = hint
         raise
     # An answer prepared while the grant was syncing, when it was granted at once; else made now.
     return prepared[0] if prepared else _created(lease, token)

@@ -1,4 +1,5 @@
-"""A release forwarded by a member to the lease's own node: the owner decides, by the token or the member's admin."""
+"""A release forwarded by a member to the lease's own node: the owner decides, by the token or the member's admin;
+and what a member reads of the others' documents: their leases, and where a refused request might fit."""
 
 from __future__ import annotations
 
@@ -216,3 +217,36 @@ async def test_a_removed_nodes_document_still_held_lists_no_lease(trio: Trio) ->
     trio.cluster.remove(trio.b.node_id, NOW + 5)  # the removal is known, the document not yet forgotten
     assert trio.mesh.view.knows(trio.b.node_id) is not None
     assert (trio.mesh.lease_of(LEASE["id"]), trio.mesh.owner_of(LEASE["id"]), trio.mesh.leases_of(trio.b.node_id, 10)) == (None, None, [])
+
+
+def figures(total: int, leased: int) -> dict[str, int]:
+    reserve = GIB
+    return {
+        "total": total,
+        "observed": leased,
+        "external": 0,
+        "resident": 0,
+        "leased": leased,
+        "reserve": reserve,
+        "schedulable": total - reserve - leased,
+    }
+
+
+def test_an_exclusive_request_is_hinted_only_at_gpus_without_leases_and_a_pinned_one_at_none(trio: Trio) -> None:
+    c = trio.c.node_id
+    trio.membership.set(trio.b.node_id, ("127.0.0.1", 9), MemberState.ALIVE)
+    trio.membership.set(c, ("127.0.0.1", 10), MemberState.ALIVE)
+    leased = {"name": "node-b", "gpus": [{"index": 0, "uuid": "GPU-b0", "figures": figures(24 * GIB, GIB)}], "leases": [LEASE]}
+    empty = {"name": "node-c", "gpus": [{"index": 0, "uuid": "GPU-c0", "figures": figures(24 * GIB, 0)}], "leases": []}
+    trio.mesh.view.apply(NodeDocument(trio.b.node_id, 1, 2, NOW, leased, b""), NOW)
+    trio.mesh.view.apply(NodeDocument(c, 1, 1, NOW, empty, b""), NOW)
+
+    def hinted(body: dict[str, Any]) -> list[str] | None:
+        hint = trio.mesh.elsewhere(parse_request({"bind": "none", **body}))
+        return None if hint is None else sorted(h["name"] for h in hint)
+
+    assert hinted({"gpu_memory": "8GiB"}) == ["node-b", "node-c"]
+    assert hinted({"exclusive": True}) == ["node-c"]  # node-b's GPU has 22 GiB schedulable, but a lease on it
+    assert hinted({"exclusive": True, "gpu_memory": "8GiB"}) == ["node-c"]
+    assert hinted({"exclusive": True, "gpu_memory": "30GiB"}) == []
+    assert hinted({"gpu_memory": "8GiB", "gpu": 0}) is None  # GPU 0 of this node: no peer's GPU is that one
