@@ -27,7 +27,7 @@ from gpubroker.broker.service import ADMINS, Broker, Caller
 from gpubroker.errors import BrokerError, FailureCode
 from gpubroker.gossip import wire
 from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, decode_token, new_key_b64
-from gpubroker.gossip.coordinator import Candidate, Coordinator, choose, merge
+from gpubroker.gossip.coordinator import GONE, PROVISIONAL, Candidate, Coordinator, choose, merge, provisional
 from gpubroker.gossip.discovery import Discovery, Sighting
 from gpubroker.gossip.documents import (
     ClusterView,
@@ -48,6 +48,9 @@ from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, call_fo
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY = 0.5  # seconds between looks at our own figures; the Publisher keeps versions ≥ 1 s apart
+# Seconds after its start by which a node announces its own choice of coordinator even without having heard every
+# member's document (some may be down): a push-pull interval, in which a live member publishes three times.
+SETTLE_WITHIN = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +189,7 @@ class Mesh:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _removed: bool = False
     _learning: set[str] = field(default_factory=set)
+    _started: float = float("-inf")  # when run() began, on self.clock
 
     @property
     def node_id(self) -> str:
@@ -198,6 +202,7 @@ class Mesh:
 
     async def run(self) -> None:
         """Listen, join, and keep the mesh going until cancelled."""
+        self._started = self.clock()
         generation = self.cluster.next_generation()
         self._publisher = Publisher(self.node_id, generation, self.identity.public_key_bytes)
         meta = _Meta(self.broker.config.name, self.broker.config.listen, self.settings.priority)
@@ -350,7 +355,10 @@ class Mesh:
         for member in self._others():
             meta = _Meta.decode(member.meta)
             candidates[Candidate(meta.priority if meta else 0, member.node)] = member.state
-        chosen = choose(self.coordinator, candidates)
+        if self.coordinator is not None and self.coordinator.epoch > PROVISIONAL:
+            chosen = choose(self.coordinator, candidates)
+        else:  # nothing announced heard yet: this node's own choice must not outrank an incumbent's announcement
+            chosen = provisional(candidates)
         for document in self._documents():
             announced = document.body.get("coordinator")
             if isinstance(announced, list) and len(announced) == 3:
@@ -358,13 +366,28 @@ class Mesh:
                     theirs = Coordinator(str(announced[0]), int(announced[1]), int(announced[2]))
                     if any(c.node == theirs.node and s.value in ("alive", "suspect") for c, s in candidates.items()):
                         chosen = merge(chosen, theirs)
+        if chosen is not None and chosen.epoch == PROVISIONAL and self._settled():
+            chosen = choose(chosen, candidates)  # no member announces one: this node's choice is announced, at epoch 1
         if chosen != self.coordinator and chosen is not None:
             self.coordinator = chosen
+            if chosen.epoch == PROVISIONAL:
+                return  # not news: nobody is told of it
             self.broker.record_event(
                 "mesh.coordinator",
                 f"coordinator is {chosen.node} (epoch {chosen.epoch})",
                 details={"node": chosen.node, "epoch": chosen.epoch},
             )
+
+    def _settled(self) -> bool:
+        """Whether this node has heard what every other member announces: it holds the document of each one not
+        known to be dead or gone (none, for a cluster of one), or it started SETTLE_WITHIN ago."""
+        if self.clock() - self._started >= SETTLE_WITHIN:
+            return True
+        for node in self.cluster.members:
+            member = self.membership.member(node)
+            if node != self.node_id and (member is None or member.state not in GONE) and node not in self.view.held:
+                return False
+        return True
 
     # ----- TCP: push-pull, pings, documents ----------------------------------
 
@@ -580,7 +603,7 @@ class Mesh:
     def publish(self) -> None:
         assert self._publisher is not None
         body = summarize(self.broker.node_json(), self.broker.list_leases("granted", 100_000))
-        if self.coordinator is not None:
+        if self.coordinator is not None and self.coordinator.epoch > PROVISIONAL:  # a provisional choice is not announced
             body["coordinator"] = [self.coordinator.node, self.coordinator.priority, self.coordinator.epoch]
         document = self._publisher.next(body, self.clock())
         if document is None:
@@ -801,7 +824,8 @@ class Mesh:
             if held is not None:
                 entry["document"] = {"generation": held.document.generation, "version": held.document.version, **held.document.body}
             nodes.append(entry)
-        coordinator = {"id": self.coordinator.node, "epoch": self.coordinator.epoch} if self.coordinator else None
+        announced = self.coordinator if self.coordinator is not None and self.coordinator.epoch > PROVISIONAL else None
+        coordinator = {"id": announced.node, "epoch": announced.epoch} if announced else None
         return {"nodes": nodes, "coordinator": coordinator, "health": self.membership.health_score()}
 
 

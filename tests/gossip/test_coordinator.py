@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpubroker.gossip.coordinator import Candidate, Coordinator, choose, merge
+from gpubroker.gossip.coordinator import Candidate, Coordinator, choose, merge, provisional
 from gpubroker.gossip.messages import MemberState
 
 A, B, C = Candidate(0, "n-a"), Candidate(0, "n-b"), Candidate(1, "n-0")
@@ -40,6 +40,20 @@ def test_after_a_healed_partition_the_higher_epoch_wins_then_the_lower_priority_
     tie_a, tie_b = Coordinator("n-b", 0, 7), Coordinator("n-a", 0, 7)
     assert merge(tie_a, tie_b) == tie_b
     assert merge(None, tie_a) == tie_a
+
+
+def test_a_newcomers_own_choice_never_beats_an_announced_coordinator_even_with_a_lower_id() -> None:
+    incumbent = Coordinator("n-b", 0, 1)  # announced by the cluster the newcomer n-a joins
+    mine = provisional({A: ALIVE, B: ALIVE})
+    assert mine == Coordinator("n-a", 0, 0)
+    assert merge(mine, incumbent) == incumbent
+    assert merge(incumbent, mine) == incumbent
+    assert choose(incumbent, {A: ALIVE, B: ALIVE}) is incumbent
+
+
+def test_a_provisional_choice_nobody_outranks_is_announced_at_epoch_1_as_the_best_live_node() -> None:
+    assert choose(Coordinator("n-b", 0, 0), {A: ALIVE, B: ALIVE}) == Coordinator("n-a", 0, 1)  # no incumbent yet
+    assert provisional({A: DEAD, B: LEFT}) is None
 
 
 @given(

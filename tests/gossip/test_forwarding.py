@@ -17,10 +17,11 @@ from gpubroker.broker.store import Store
 from gpubroker.config import Config
 from gpubroker.errors import BrokerError
 from gpubroker.gossip.cluster import ClusterState, decode_token
+from gpubroker.gossip.coordinator import Coordinator
 from gpubroker.gossip.documents import NodeDocument, listed_lease, summarize
 from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.membership import MemberView
-from gpubroker.gossip.mesh import Mesh, MeshSettings
+from gpubroker.gossip.mesh import SETTLE_WITHIN, Mesh, MeshSettings, _Meta
 from gpubroker.gossip.messages import Addr, MemberState
 from gpubroker.gossip.transport import PeerServer
 from gpubroker.ui.openapi import OPENAPI
@@ -126,8 +127,8 @@ class FakeMembership:
 
     views: dict[str, MemberView] = field(default_factory=dict)
 
-    def set(self, node: str, addr: Addr, state: MemberState, since: float = NOW) -> None:
-        self.views[node] = MemberView(node, addr, state, 1, b"", since)
+    def set(self, node: str, addr: Addr, state: MemberState, since: float = NOW, meta: bytes = b"") -> None:
+        self.views[node] = MemberView(node, addr, state, 1, meta, since)
 
     def member(self, node: str) -> MemberView | None:
         return self.views.get(node)
@@ -250,3 +251,50 @@ def test_an_exclusive_request_is_hinted_only_at_gpus_without_leases_and_a_pinned
     assert hinted({"exclusive": True, "gpu_memory": "8GiB"}) == ["node-c"]
     assert hinted({"exclusive": True, "gpu_memory": "30GiB"}) == []
     assert hinted({"gpu_memory": "8GiB", "gpu": 0}) is None  # GPU 0 of this node: no peer's GPU is that one
+
+
+@dataclass
+class Events:
+    """The broker as the mesh tells it what happened."""
+
+    recorded: list[tuple[str, str]] = field(default_factory=list)
+
+    def record_event(self, kind: str, message: str, details: dict[str, Any]) -> None:
+        self.recorded.append((kind, message))
+
+
+def test_a_newcomer_that_ranks_first_does_not_take_over_from_the_coordinator_it_had_not_heard_of(trio: Trio) -> None:
+    mesh, b, c = trio.mesh, trio.b.node_id, trio.c.node_id
+    mesh.broker = Events()  # type: ignore[assignment]
+    mesh.view.forget(b)
+    mesh._started = NOW  # just started: it knows nobody yet, but node-b and node-c are members
+    mesh._elect()
+    assert mesh.coordinator == Coordinator(mesh.node_id, 0, 0)  # its own choice, provisional
+    assert mesh.broker.recorded == []  # type: ignore[attr-defined]  # nor news to tell
+    # The join's push-pull: node-b (priority 1, so node-a ranks first) and node-c are alive; node-b's document
+    # announces the coordinator the cluster has had all along, at the epoch node-a would have chosen.
+    for node, priority in ((b, 1), (c, 1)):
+        trio.membership.set(node, ("127.0.0.1", 9), MemberState.ALIVE, meta=_Meta(node, "", priority).encode())
+    mesh._elect()
+    assert mesh.coordinator == Coordinator(mesh.node_id, 0, 0)  # node-c's document is still on its way
+    mesh.view.apply(NodeDocument(b, 1, 2, NOW, {"name": "node-b", "coordinator": [b, 1, 1]}, b""), NOW)
+    mesh._elect()
+    assert mesh.coordinator == Coordinator(b, 1, 1)
+    mesh.view.apply(NodeDocument(c, 1, 1, NOW, {"name": "node-c", "coordinator": [b, 1, 1]}, b""), NOW)
+    mesh._elect()
+    assert mesh.coordinator == Coordinator(b, 1, 1)  # the incumbent stays
+    assert mesh.broker.recorded == [("mesh.coordinator", f"coordinator is {b} (epoch 1)")]  # type: ignore[attr-defined]
+
+
+def test_a_node_that_hears_no_announcement_announces_its_own_choice_once_settled(trio: Trio) -> None:
+    mesh, b = trio.mesh, trio.b.node_id
+    mesh.broker = Events()  # type: ignore[assignment]
+    mesh._started = NOW
+    trio.membership.set(b, ("127.0.0.1", 9), MemberState.ALIVE)
+    mesh._elect()
+    assert mesh.coordinator is not None
+    assert mesh.coordinator.epoch == 0  # node-c not heard of yet: it may be the one announcing a coordinator
+    mesh.clock = lambda: NOW + SETTLE_WITHIN  # it may be down: after a while, this node's choice is announced anyway
+    mesh._elect()
+    best = min(mesh.node_id, b)
+    assert mesh.coordinator == Coordinator(best, 0, 1)
