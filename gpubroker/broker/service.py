@@ -105,6 +105,7 @@ class _Reclaim:
     reported: bool = False
 
 
+RESTOP_WITHIN = 60.0  # seconds past kill_grace in which a restarted broker stops again the groups of leases that had ended
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0)
 
 
@@ -221,6 +222,11 @@ class Broker:
             elif lease.bind == "caller" and lease.holder.pid is not None:
                 if not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
                     writes += self._end(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
+        for _, lease in self.ended.values():
+            # A broker stopped while it stopped a lease's groups (between SIGTERM and SIGKILL) finishes the job:
+            # work never goes on without its lease. Only recent ends: a group id is reused once its group is gone.
+            if lease.pgids and lease.ended_at is not None and now - lease.ended_at < self.config.kill_grace + RESTOP_WITHIN:
+                self._spawn(holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), self.config.kill_grace))
         writes.append(
             self._event(
                 "broker.started", f"broker {self.config.name} started with {len(self.leases)} live leases", details={"version": __version__}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -622,6 +623,34 @@ async def test_a_broker_closing_finishes_a_release_whose_caller_went_away_and_st
         assert work.wait(timeout=5) == -15  # its group was stopped before the broker was done
     finally:
         work.kill()
+        work.wait()
+
+
+async def test_a_broker_killed_while_it_stopped_a_leases_groups_stops_them_when_it_starts_again(
+    make_node: Callable[..., Any],
+) -> None:
+    """Between SIGTERM and SIGKILL the stop lives in the broker's memory: a broker killed then must finish it at its
+    next start, or work that ignores SIGTERM goes on without its lease."""
+    node = await make_node(kill_grace=30.0)
+    lease, token = await node.ask(Caller("unix", uid=os.getuid(), pid=os.getpid()), cpu_cores=1)
+    work = subprocess.Popen(["sh", "-c", 'trap "" TERM; sleep 30'], process_group=0)
+    try:
+        await node.broker.register_group(lease["id"], ME, token, work.pid)
+        await node.broker.release(lease["id"], ME, token)  # SIGTERM, ignored; SIGKILL due 30 s later
+        for task in list(node.broker._tasks):  # kill -9 of the broker: what was in its memory is gone
+            task.cancel()
+        await asyncio.gather(*node.broker._tasks, return_exceptions=True)
+        node.broker.store.stop()
+        if node.broker._watch is not None:
+            node.broker._watch.close()
+        assert work.poll() is None
+        node.config = replace(node.config, kill_grace=0.5)
+        node.clock.advance(5)
+        await node.start()
+        assert await asyncio.to_thread(work.wait, 10) == -signal.SIGKILL
+    finally:
+        if work.poll() is None:
+            work.kill()
         work.wait()
 
 
