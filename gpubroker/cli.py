@@ -467,8 +467,21 @@ def cmd_events(args: argparse.Namespace) -> int:
     client = Client()
     after = args.after
     listed: list[dict[str, Any]] = []  # --json without --follow: one document, as every listing
+    waiting = False  # following, and the broker does not answer (restarting): said once, then tried every second
     while True:
-        answer = client.call("GET", "/v1/events", query={"after": after, "limit": EVENTS_PAGE})
+        try:
+            answer = client.call("GET", "/v1/events", query={"after": after, "limit": EVENTS_PAGE})
+        except ClientError as error:
+            if not (args.follow and error.code == "UNREACHABLE"):
+                raise
+            if not waiting:
+                print(f"gpubroker: {error.message}; waiting for it to answer again", file=sys.stderr, flush=True)
+            waiting = True
+            time.sleep(1.0)
+            continue
+        if waiting:
+            print("gpubroker: the broker answers again", file=sys.stderr, flush=True)
+            waiting = False
         for event in answer["events"]:
             if args.json and not args.follow:
                 listed.append(event)

@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import ssl
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,13 @@ class Client:
         self.timeout = timeout
         self.token = os.environ.get("GPUBROKER_TOKEN")
 
+    def _hint(self) -> str:
+        """What to do about a broker that does not answer: a socket path that is something else is named as such."""
+        path = self.endpoint.url.removeprefix("unix:") if self.endpoint.url.startswith("unix:") else None
+        if path is not None and os.path.exists(path) and not stat.S_ISSOCK(os.stat(path).st_mode):
+            return f"; {path} is not a socket: give the broker's --socket in GPUBROKER_URL"
+        return "; start one with `gpubroker up`"
+
     def call(
         self,
         method: str,
@@ -115,9 +123,7 @@ class Client:
             response = connection.getresponse()
             raw = response.read()
         except OSError as error:
-            raise ClientError(
-                0, "UNREACHABLE", f"no broker answers at {self.endpoint.url} ({error}); start one with `gpubroker up`"
-            ) from None
+            raise ClientError(0, "UNREACHABLE", f"no broker answers at {self.endpoint.url} ({error}){self._hint()}") from None
         finally:
             connection.close()
         try:

@@ -50,6 +50,14 @@ class Stamp:
         return self.user is not None or self.holder is not None
 
 
+def _node_name(value: Any) -> str:
+    """A node's name, as peers, pages and `--node` show and take it: printable, not blank, at most 64 characters."""
+    name = str(value).strip()
+    if not name or len(name) > 64 or not name.isprintable():
+        raise ValueError(f"{value!r} is not a node name: 1 to 64 printable characters")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     name: str
@@ -130,7 +138,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Unix socket of the HTTP API (default: $XDG_RUNTIME_DIR/gpubroker/api.sock, /run/gpubroker/api.sock as root, else in the state directory)",
         lambda v: Path(str(v)),
     ),
-    Setting("name", None, "this node's name (default: the hostname)", str),
+    Setting("name", None, "this node's name (default: the hostname)", _node_name),
     Setting(
         "simulate_gpus", None, "simulated GPUs instead of NVML: a spec like 2x24GiB,1x12GiB or a TOML file re-read at every sample", str
     ),

@@ -374,10 +374,17 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
+
+        def stop(signum: int) -> None:
+            print(f"gpubroker: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+            task.cancel()
+
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, task.cancel)
+            loop.add_signal_handler(signum, stop, signum)
         with contextlib.suppress(asyncio.CancelledError):
             await serve(config, on_ready=ready, join=join, ask=ask)
+            return
+        print("gpubroker: stopped", file=sys.stderr, flush=True)
 
     try:
         asyncio.run(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -305,3 +306,52 @@ def test_the_cli_never_prints_a_control_character_it_was_given(broker_process: t
         [sys.executable, "-m", "gpubroker", "status", "--json"], env=broker.env, capture_output=True, text=True, timeout=30
     )
     assert json.loads(as_json.stdout)["node"]["gpus"][0]["processes"][0]["name"] == "evil\x1b[2J\rforged"  # JSON escapes it itself
+
+
+def test_events_follow_waits_through_a_broker_restart_and_goes_on(broker_process: type[BrokerProcess], tmp_path: Path) -> None:
+    broker = broker_process("1x24GiB").start()
+    log = tmp_path / "follow.log"
+    with log.open("wb") as out:
+        follower = subprocess.Popen([sys.executable, "-m", "gpubroker", "events", "--follow"], env=broker.env, stdout=out, stderr=out)
+    try:
+        wait_for(lambda: "broker.started" in log.read_text(), timeout=20.0)
+        broker.stop()
+        wait_for(lambda: "waiting for it to answer again" in log.read_text(), timeout=20.0)
+        assert follower.poll() is None  # it waits, as `tail -F` does for a file that comes back
+        broker.start()
+        wait_for(lambda: log.read_text().count("broker.started") == 2, timeout=20.0)
+        said = log.read_text()
+        assert said.count("waiting for it to answer again") == 1  # said once, not every second
+        assert "the broker answers again" in said
+    finally:
+        follower.terminate()
+        follower.wait(10)
+
+
+def test_a_broker_url_naming_something_other_than_a_socket_says_so(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "status"],
+        env={**os.environ, "GPUBROKER_URL": f"unix:{tmp_path}"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1
+    assert f"{tmp_path} is not a socket: give the broker's --socket in GPUBROKER_URL" in done.stderr, done.stderr
+
+
+def test_the_log_says_when_the_gpus_cannot_be_read_and_when_they_can_again_and_why_the_broker_stops(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    """A service's journal is its standard error: what changes the broker's ability to decide is there, not only in events."""
+    sim = tmp_path / "gpus.toml"
+    sim.write_text(SIMULATION.format(used="6GiB"))
+    broker = broker_process(str(sim)).start()
+    sim.write_text("[[gpu]]\nmemory = ")
+    wait_for(lambda: any("gpubroker: GPUs cannot be read:" in line for line in broker.output), timeout=10)
+    sim.write_text(SIMULATION.format(used="6GiB"))
+    wait_for(lambda: any(line == "gpubroker: GPUs can be read again\n" for line in broker.output), timeout=10)
+    broker.stop()
+    wait_for(lambda: broker.output[-1:] == ["gpubroker: stopped\n"], timeout=5)  # read to its end
+    assert broker.output[-2:] == ["gpubroker: SIGTERM: stopping\n", "gpubroker: stopped\n"], broker.output
+    assert sum("cannot be read" in line for line in broker.output) == 1  # said at the change, not at every sample

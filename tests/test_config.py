@@ -50,6 +50,10 @@ def test_a_file_and_flags_make_one_config_with_flags_winning(tmp_path: Path) -> 
         ('store_size = "1KiB"', "setting store_size: '1KiB' is under the least it may be, 1MiB"),
         ('[[stamp]]\npriority = "urgent"\nuser = "x"', "priority must be one of"),
         ("not toml ===", "gpubroker.toml"),
+        ('name = ""', "setting name: '' is not a node name"),
+        ('name = "   "', "setting name: '   ' is not a node name"),
+        ('name = "tower\\u001b[2J"', "is not a node name: 1 to 64 printable characters"),
+        (f'name = "{"n" * 65}"', "is not a node name"),
     ],
 )
 def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, named: str) -> None:

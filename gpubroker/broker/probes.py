@@ -119,6 +119,11 @@ def parse_gpu_file(text: str, source: str) -> tuple[list[_SimGpu], list[_SimProc
                     str(table.get("uuid", f"GPU-sim-{index}")),
                 )
             )
+        for index, card in enumerate(gpus):
+            if card.memory <= 0:
+                raise ProbeError(f"{source}: GPU {index} has memory {card.memory}: a GPU has more than 0 bytes")
+            if card.uuid in [other.uuid for other in gpus[:index]]:  # leases are on a card by its UUID: two cards, two UUIDs
+                raise ProbeError(f"{source}: GPU {index} has the UUID {card.uuid!r} of an earlier GPU: give each its own")
         processes = []
         for table in document.get("process", []):
             gpu = int(table["gpu"])

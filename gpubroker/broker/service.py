@@ -30,7 +30,7 @@ from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
 from gpubroker.config import CLASSES, Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, StoreFull
-from gpubroker.units import gib, rfc3339
+from gpubroker.units import gib, printable_text, rfc3339
 
 RANK = {name: rank for rank, name in enumerate(CLASSES)}
 
@@ -178,6 +178,7 @@ class Broker:
         self._stopping = False  # set by stop_waiting(): no request joins the queue any more
         self._lineage: frozenset[int] = frozenset({1})  # this broker and its ancestors (holders.broker_lineage), read at start
         self._pressure: set[str] = set()  # accelerators (by UUID) under external pressure
+        self._sampled = False  # whether a first reading was taken
         self._missing: set[str] = set()  # accelerators (by UUID) that leases hold and the driver no longer lists
         self.over_declared_ids: set[str] = set()
         self._reclaims: list[_Reclaim] = []
@@ -351,10 +352,14 @@ class Broker:
         if host is not None:
             self.host = host
         if error != self.driver_error:
+            said = f"GPUs cannot be read: {error}" if error is not None else "GPUs can be read again"
             if error is not None:
-                self._record(self._event("gpu.driver_error", f"GPUs cannot be read: {error}", code=FailureCode.DRIVER_ERROR))
+                self._record(self._event("gpu.driver_error", said, code=FailureCode.DRIVER_ERROR))
             else:
-                self._record(self._event("gpu.driver_ok", "GPUs can be read again"))
+                self._record(self._event("gpu.driver_ok", said))
+            if self._sampled:  # the log says it too (the first reading's state is in the ready line)
+                print(f"gpubroker: {printable_text(said)}", file=sys.stderr, flush=True)
+        self._sampled = True
         self.driver_error = error
         self.readings = readings if readings is not None else []
         self._changed()

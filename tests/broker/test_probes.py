@@ -6,7 +6,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from gpubroker.broker.probes import SimulatedProbe
+import pytest
+
+from gpubroker.broker.probes import ProbeError, SimulatedProbe
 
 GIB = 2**30
 
@@ -27,3 +29,24 @@ def test_a_simulated_process_that_runs_here_is_described_as_nvml_describes_one(t
     finally:
         work.kill()
         work.wait()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "says"),
+    [
+        ('[[gpu]]\nmemory = "0"\n', "GPU 0 has memory 0: a GPU has more than 0 bytes"),
+        (
+            '[[gpu]]\nmemory = "24GiB"\nuuid = "GPU-x"\n[[gpu]]\nmemory = "24GiB"\nuuid = "GPU-x"\n',
+            "GPU 1 has the UUID 'GPU-x' of an earlier GPU",
+        ),
+        ('[[gpu]]\nmemory = "24GiB"\n[[gpu]]\nmemory = "24GiB"\nuuid = "GPU-sim-0"\n', "GPU 1 has the UUID 'GPU-sim-0'"),
+        ('[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = 1\npid = 9\nused = "1GiB"\n', "is on GPU 1, which is not defined"),
+    ],
+    ids=["no-memory", "same-uuid", "same-as-a-default-uuid", "process-on-no-gpu"],
+)
+def test_a_simulation_file_that_describes_no_real_machine_is_a_probe_error_that_says_why(tmp_path: Path, gpus: str, says: str) -> None:
+    """As --simulate-gpus refuses 0 bytes; and leases are on a card by UUID, so two cards may not share one."""
+    sim = tmp_path / "gpus.toml"
+    sim.write_text(gpus)
+    with pytest.raises(ProbeError, match=says):
+        SimulatedProbe(str(sim)).sample()
