@@ -91,22 +91,29 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _print_cluster(cluster: dict[str, Any]) -> None:
-    """The other nodes as this node's mesh sees them: state, freshness, each GPU's schedulable figure."""
-    others = [n for n in cluster.get("nodes", []) if not n.get("self")]
+    """The other nodes as this node's mesh sees them: state, freshness, each GPU's schedulable figure (for the
+    nodes up; a dead or departed node's last figures are not its room now)."""
+    nodes = cluster.get("nodes", [])
+    others = [n for n in nodes if not n.get("self")]
     if not others:
         return
     coordinator = (cluster.get("coordinator") or {}).get("id")
-    print(f"cluster: {len(others) + 1} nodes, coordinator {coordinator}")
+    named = next((n.get("name") or n["id"] for n in nodes if n["id"] == coordinator), coordinator)
+    up = sum(1 for n in others if n.get("state") in ("alive", "suspect")) + 1
+    print(f"cluster: {len(others) + 1} nodes ({up} up), coordinator {named or 'not chosen yet'}")
     for other in others:
         document = other.get("document") or {}
         age = other.get("age")
         fresh = f"seen {age:.1f}s ago" if isinstance(age, int | float) else "no document yet"
         badge = " (coordinator)" if other["id"] == coordinator else ""
-        gpus = ", ".join(
-            f"GPU {g['index']} {gib(g['figures']['schedulable'])}/{gib(g['figures']['total'])} GiB schedulable"
-            for g in document.get("gpus", [])
-        )
-        print(f"  {other.get('name') or other['id']}{badge}: {other['state']}, {fresh}; {gpus or 'no GPUs'}")
+        line = f"  {other.get('name') or other['id']}{badge}: {other['state']}, {fresh}"
+        if other.get("state") in ("alive", "suspect") and document:
+            gpus = ", ".join(
+                f"GPU {g['index']} {gib(g['figures']['schedulable'])}/{gib(g['figures']['total'])} GiB schedulable"
+                for g in document.get("gpus", [])
+            )
+            line += f"; {gpus or 'no GPUs'}"
+        print(line)
 
 
 def _request_body(args: argparse.Namespace, bind: str) -> dict[str, Any]:

@@ -87,3 +87,23 @@ async def test_the_broker_continues_a_stopped_group_it_stops_so_sigterm_ends_it_
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+
+
+def test_status_shows_the_room_of_the_nodes_up_only_and_names_the_coordinator(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu = {"index": 0, "figures": {"schedulable": 18 * 2**30, "total": 24 * 2**30}}
+    cluster = {
+        "coordinator": {"id": "n-b", "epoch": 2},
+        "nodes": [
+            {"id": "n-a", "name": "tower", "self": True, "state": "alive"},
+            {"id": "n-b", "name": "nuc", "state": "alive", "age": 0.4, "document": {"gpus": [gpu]}},
+            {"id": "n-c", "name": "old", "state": "dead", "age": 95.0, "document": {"gpus": [gpu]}},
+            {"id": "n-d", "name": "new", "state": "alive", "age": None},
+        ],
+    }
+    cli._print_cluster(cluster)
+    assert capsys.readouterr().out.splitlines() == [
+        "cluster: 4 nodes (3 up), coordinator nuc",
+        "  nuc (coordinator): alive, seen 0.4s ago; GPU 0 18.0/24.0 GiB schedulable",
+        "  old: dead, seen 95.0s ago",  # its last figures are no room now
+        "  new: alive, no document yet",  # not "no GPUs": nothing is known of them yet
+    ]
