@@ -30,7 +30,11 @@ class DocumentError(Exception):
     """A document that is malformed, too large, or not signed by the node it names: dropped, never applied."""
 
 
-def round_bytes(size: int) -> int:
+def round_bytes(size: int, down: bool = False) -> int:
+    """A figure to the nearest ROUNDING; room (`down`) below it, so no peer's view, nor a hint read from it,
+    promises more than there is."""
+    if down:
+        return size // ROUNDING * ROUNDING
     return int(round(size / ROUNDING)) * ROUNDING
 
 
@@ -59,7 +63,7 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
                 "index": gpu["index"],
                 "uuid": gpu["uuid"],
                 "name": gpu["name"],
-                "figures": {k: round_bytes(v) for k, v in gpu["figures"].items()},
+                "figures": {k: round_bytes(v, down=k == "schedulable") for k, v in gpu["figures"].items()},
                 "external": {name: round_bytes(size) for name, size in sorted(external.items())},
                 "pressure": bool(gpu.get("pressure")),
             }
@@ -87,7 +91,7 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
         "driver_error": node.get("driver_error"),
         "gpus": gpus,
         "cpu": node.get("cpu", {}),
-        "memory": {k: round_bytes(v) for k, v in node.get("memory", {}).items()},
+        "memory": {k: round_bytes(v, down=k == "schedulable") for k, v in node.get("memory", {}).items()},
         "queue": dict(node.get("queue", {})),
         "leases": (listed := _fitting(records, LEASES_ROOM)),
         "leases_not_listed": len(records) - len(listed),

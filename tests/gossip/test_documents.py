@@ -158,6 +158,11 @@ def test_the_summary_rounds_figures_and_names_external_processes() -> None:
     assert gpu["figures"]["external"] == 6 * GIB
     assert gpu["figures"]["external"] % ROUNDING == 0
     assert gpu["external"] == {"ollama": 6 * GIB}
+    assert body["memory"]["schedulable"] == 64 * GIB  # room is rounded down: a peer is never promised more than there is
+    near = {**node, "gpus": [{**node["gpus"][0], "figures": {"leased": 1100 * 2**20, "schedulable": 1100 * 2**20}}]}
+    assert summarize(near, [])["gpus"][0]["figures"] == {"leased": 1088 * 2**20, "schedulable": 1088 * 2**20}
+    near = {**node, "gpus": [{**node["gpus"][0], "figures": {"leased": 1120 * 2**20, "schedulable": 1120 * 2**20}}]}
+    assert summarize(near, [])["gpus"][0]["figures"] == {"leased": 1152 * 2**20, "schedulable": 1088 * 2**20}
     assert body["leases"] == [
         {
             "id": "l-1",
