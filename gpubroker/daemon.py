@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import pwd
 import resource
 import signal
 import socket
@@ -32,6 +33,7 @@ from gpubroker.config import Config
 from gpubroker.ui import api
 from gpubroker.ui.api import MeshSlot, allowed_hosts, make_app, unreadable_detail
 from gpubroker.ui.auth import Guard, Sessions, is_loopback, load_or_create_api_token
+from gpubroker.units import gib
 
 if TYPE_CHECKING:
     from gpubroker.gossip.mesh import Mesh
@@ -353,6 +355,21 @@ def raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+def config_warnings(config: Config, broker: Broker) -> list[str]:
+    """Settings that start a broker but cannot do what they say: said once, at start."""
+    warnings = []
+    for stamp in config.stamps:
+        if stamp.user is not None:
+            try:
+                pwd.getpwnam(stamp.user)
+            except KeyError:
+                warnings.append(f"[[stamp]] user {stamp.user!r} is no user of this machine: that stamp never applies")
+    totals = [reading.total for reading in broker.readings]
+    if totals and all(config.reserve >= total for total in totals):
+        warnings.append(f"reserve ({gib(config.reserve)} GiB) is as large as every GPU: no GPU memory can be leased")
+    return warnings
+
+
 def run(config: Config, join: str | None = None, ask: bool = False) -> int:
     """`gpubroker up`: run in the foreground until SIGINT or SIGTERM."""
     raise_open_files_limit()
@@ -369,6 +386,8 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
         )
         if broker.start_warning is not None:
             print(f"gpubroker: {broker.start_warning}", file=sys.stderr, flush=True)
+        for warning in config_warnings(config, broker):
+            print(f"gpubroker: warning: {warning}", file=sys.stderr, flush=True)
 
     async def main() -> None:
         task = asyncio.current_task()
