@@ -637,16 +637,39 @@ class Mesh:
                 if isinstance(record, dict):
                     yield document, record
 
-    def knows_node(self, node: str) -> bool:
-        """Whether `node` names a member of the cluster, by its id or its name."""
+    def resolve_node(self, node: str) -> str | None:
+        """The id of the member `node` names: its id, or its name as admitted or as its document now says (a member
+        restarted under another name answers to both); None for no member. A name several members share is the live
+        one's (a reinstalled machine rejoins under its old name while its old identity is dead or gone); when that
+        leaves more than one, INVALID_REQUEST lists their ids, for the caller to give one."""
         members = self.cluster.members
-        return node in members or any(entry.get("name") == node for entry in members.values())
+        if node in members:
+            return node
+        named = {nid for nid, entry in members.items() if entry["name"] == node}
+        named |= {d.node for d in self._documents() if d.body.get("name") == node and d.node in members}
+        if self.broker.config.name == node:
+            named.add(self.node_id)
+        if len(named) <= 1:
+            return next(iter(named), None)
+        live = {nid for nid in named if nid == self.node_id or self._is_live(nid)}
+        if len(live) == 1:
+            return live.pop()
+        matching = sorted(live or named)
+        raise BrokerError(
+            FailureCode.INVALID_REQUEST,
+            f"{len(matching)} {'live ' if live else ''}members are named {node!r} ({', '.join(matching)}): give the id of the one meant",
+            {"node": node, "matching": matching},
+        )
+
+    def _is_live(self, node: str) -> bool:
+        member = self.membership.member(node)
+        return member is not None and member.state not in GONE
 
     def leases_of(self, node: str, limit: int) -> list[dict[str, Any]]:
-        """The granted leases another node's document lists (as `listed_leases` reads them), by its id or its name;
-        none for a node not known."""
+        """The granted leases the document of the node with id `node` lists (as `listed_leases` reads them); none
+        for a node whose document is not held (`resolve_node` turns a name into the id)."""
         for document in self._documents():
-            if node in (document.node, document.body.get("name")):
+            if document.node == node:
                 return listed_leases(document.body, document.node)[:limit]
         return []
 

@@ -382,15 +382,23 @@ async def list_leases(request: web.Request) -> web.Response:
         raise InvalidRequest(f"state must be one of {', '.join(STATES)}, not {state!r}", {"field": "state"})
     limit = _int_query(request, "limit", 1000, 1, 100_000)
     node = request.query.get("node") or None  # `node=` left empty: this node
-    if node in (None, broker.node_id, broker.config.name):
+    mesh = request.app[MESH].mesh
+    # One node id, resolved once: by a member's id, its admitted name or its document's current name.
+    if node is None:
+        resolved: str | None = broker.node_id
+    elif mesh is not None:
+        resolved = mesh.resolve_node(node)
+    else:
+        resolved = broker.node_id if node in (broker.node_id, broker.config.name) else None
+    if resolved is None:
+        raise NotFound(
+            f"no node {node!r} in {'this cluster' if mesh else 'this single-node broker'}: give a member's id or name", {"node": node}
+        )
+    if resolved == broker.node_id:
         leases = broker.list_leases(state, limit)
     else:  # another node's: its granted leases as its document lists them (their own node has the rest)
-        mesh = request.app[MESH].mesh
-        if mesh is None or not mesh.knows_node(node):
-            raise NotFound(
-                f"no node {node!r} in {'this cluster' if mesh else 'this single-node broker'}: give a member's id or name", {"node": node}
-            )
-        leases = mesh.leases_of(node, limit) if state in (None, "granted") else []
+        assert mesh is not None
+        leases = mesh.leases_of(resolved, limit) if state in (None, "granted") else []
     return web.json_response({"leases": leases})
 
 

@@ -1,4 +1,5 @@
-"""The HTTP API of one node against a real broker process: shapes, identities, metrics, documents."""
+"""The HTTP API of one node against a real broker process: shapes, identities, metrics, documents; what it reads of
+the other members, in process against a mesh that holds their documents."""
 
 from __future__ import annotations
 
@@ -11,9 +12,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from conftest import BrokerProcess
+from fakes import GIB, FakeClock, FakeGpuProbe
 
+from gpubroker.broker.service import Broker
+from gpubroker.broker.store import Store
 from gpubroker.client import ClientError
+from gpubroker.config import Config
+from gpubroker.gossip.cluster import ClusterState, decode_token
+from gpubroker.gossip.documents import NodeDocument
+from gpubroker.gossip.identity import Identity
+from gpubroker.gossip.membership import MemberView
+from gpubroker.gossip.mesh import Mesh, MeshSettings
+from gpubroker.gossip.messages import MemberState
+from gpubroker.ui.api import make_app
 
 
 @pytest.fixture
@@ -374,3 +387,71 @@ def test_a_missing_static_file_is_not_found_and_a_wrong_method_names_the_allowed
     status, headers, body = _raw(broker, b"PUT /v1/leases HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
     assert (status, json.loads(body)["error"]["code"]) == (405, "INVALID_REQUEST")
     assert headers["allow"] == "GET, HEAD, POST"
+
+
+# ----- other members' leases, in process --------------------------------------------------------------
+
+NOW = 1_800_000_000.0
+
+
+class Members:
+    """The membership as the mesh reads it: each node's state."""
+
+    def __init__(self) -> None:
+        self.views: dict[str, MemberView] = {}
+
+    def set(self, node: str, state: MemberState) -> None:
+        self.views[node] = MemberView(node, ("127.0.0.1", 9741), state, 1, b"", NOW)
+
+    def member(self, node: str) -> MemberView | None:
+        return self.views.get(node)
+
+    def members(self) -> list[MemberView]:
+        return list(self.views.values())
+
+
+def lease_record(lease_id: str) -> dict[str, Any]:
+    return {"id": lease_id, "holder": "train", "priority": "batch", "gpus": [[0, GIB]], "expires_at": "2027-01-15T08:00:00.000Z"}
+
+
+async def test_another_node_is_found_by_its_id_its_admitted_name_or_its_new_name_and_a_shared_name_by_who_is_alive(
+    tmp_path: Path,
+) -> None:
+    a, renamed, namesake = (Identity.load_or_create(tmp_path / name) for name in ("a", "renamed", "namesake"))
+    cluster = ClusterState.init(tmp_path / "cluster", a, "tower", now=NOW)
+    for identity, name in ((renamed, "nuc"), (namesake, "gpu-box")):
+        secret = decode_token(cluster.invite(("127.0.0.1", 9741), a, 600, NOW)).secret
+        cluster.redeem(secret, identity.certificate_pem().decode(), name, NOW, a.node_id)
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock, a.node_id)
+    await broker.start()
+    mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, a, cluster, clock=clock.now)
+    members = Members()
+    mesh._membership = members  # type: ignore[assignment]
+    # The node admitted as "nuc" was restarted with --name gpu-box, its document says so; another member, now dead,
+    # was admitted as "gpu-box" (an old identity of a machine that rejoined under its name).
+    body = {"name": "gpu-box", "gpus": [{"index": 0, "uuid": "GPU-0"}], "leases": [lease_record("l-0000000000aa")]}
+    mesh.view.apply(NodeDocument(renamed.node_id, 2, 1, NOW, body, b""), NOW)
+    members.set(renamed.node_id, MemberState.ALIVE)
+    members.set(namesake.node_id, MemberState.DEAD)
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker, mesh)))
+    await client.start_server()
+
+    async def listed(node: str) -> tuple[int, Any]:
+        answer = await client.get("/v1/leases", params={"node": node})
+        found = await answer.json()
+        return answer.status, [lease["id"] for lease in found["leases"]] if answer.status == 200 else found["error"]
+
+    try:
+        for name in ("gpu-box", "nuc", renamed.node_id):
+            assert await listed(name) == (200, ["l-0000000000aa"]), name  # "gpu-box": the live one of the two
+        assert await listed("tower") == (200, [])  # this node's own, none
+        members.set(namesake.node_id, MemberState.ALIVE)
+        status, error = await listed("gpu-box")
+        matching = sorted([renamed.node_id, namesake.node_id])
+        assert (status, error["code"], error["details"]) == (400, "INVALID_REQUEST", {"node": "gpu-box", "matching": matching})
+        assert await listed(namesake.node_id) == (200, [])  # its document is not held yet
+    finally:
+        await client.close()
+        await broker.close()
