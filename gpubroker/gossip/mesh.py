@@ -779,7 +779,8 @@ class Mesh:
         return applied
 
     async def change_keys(self, change: dict[str, Any]) -> dict[str, Any]:
-        """Change the keyring here, then on every live member (over mutual TLS), as `keys` in Serf does."""
+        """Change the keyring here, then on every live member (over mutual TLS), as `keys` in Serf does; every other
+        member is answered too, as not reached and why, so the caller knows its keyring now differs."""
         try:
             applied = self._apply_keys(change)
         except ClusterError as error:
@@ -791,7 +792,11 @@ class Mesh:
             m.node: ("ok" if a is not None and "error" not in a else str((a or {}).get("error", "no answer")))
             for m, a in zip(live, answers, strict=True)
         }
-        return {**self.keys_json(), "members": results}
+        for node in self.cluster.members:
+            if node != self.node_id and node not in results:
+                member = self.membership.member(node)
+                results[node] = f"not reached ({member.state.value if member is not None else 'not heard of'})"
+        return {**self.keys_json(), "members": dict(sorted(results.items()))}
 
     # ----- what the API shows ---------------------------------------------------
 

@@ -298,3 +298,27 @@ def test_a_node_that_hears_no_announcement_announces_its_own_choice_once_settled
     mesh._elect()
     best = min(mesh.node_id, b)
     assert mesh.coordinator == Coordinator(best, 0, 1)
+
+
+async def test_a_key_change_reports_every_member_and_those_not_reached_say_why(trio: Trio) -> None:
+    """`gpubroker keys` prints each member's result and fails when one is not "ok": a member that was down must be
+    among them, or the operator never learns that its keyring now differs."""
+    asked: list[dict[str, Any]] = []
+
+    async def takes_the_change(peer: str | None, request: dict[str, Any]) -> dict[str, Any]:
+        asked.append(request)
+        return {"ok": True}
+
+    trio.mesh.broker = Events()  # type: ignore[assignment]
+    server = await PeerServer.start(("127.0.0.1", 0), trio.b, trio.cluster.members_der, takes_the_change)
+    try:
+        trio.membership.set(trio.b.node_id, server.address, MemberState.ALIVE)
+        trio.membership.set(trio.c.node_id, ("127.0.0.1", 9), MemberState.DEAD)
+        answer = await trio.mesh.change_keys({"install": None})
+        assert answer["members"] == {trio.b.node_id: "ok", trio.c.node_id: "not reached (dead)"}
+        del trio.membership.views[trio.c.node_id]  # dead long enough for the membership to have dropped it
+        answer = await trio.mesh.change_keys({"install": None})
+        assert answer["members"] == {trio.b.node_id: "ok", trio.c.node_id: "not reached (not heard of)"}
+    finally:
+        await server.close()
+    assert [request["op"] for request in asked] == ["keys", "keys"]  # node-c was not called
