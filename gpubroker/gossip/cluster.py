@@ -55,10 +55,12 @@ MAX_NAME = 255
 MAX_HOST = 255
 MAX_CLUSTER_ID = 128
 MAX_PENDING = 64  # discovered nodes may ask without being anyone: the oldest request is forgotten first
+MAX_REMOVED_KEYS = 4096  # key ids a peer may name as removed; a rotation a day for ten years is under it
 INVITE_GRACE = 86400.0  # an expired invite is kept a day more, so its redemption is refused as "expired", not "unknown"
 
 _NODE_ID = re.compile(r"n-[a-z2-7]{16}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+_KEY_ID = re.compile(r"[0-9a-f]{12}")
 
 
 class ClusterError(Exception):
@@ -107,6 +109,8 @@ class JoinGrant:
     keyring: str = field(repr=False)  # Keyring.to_json()
     members: dict[str, MemberEntry]
     removed: dict[str, float]
+    keys_version: int = 0  # how many keyring changes the keyring has seen: a newcomer must not take an older one for newer
+    removed_keys: frozenset[str] = frozenset()  # ids of keys removed from the cluster, never to be installed again
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types for the wire (msgpack or JSON)."""
@@ -115,6 +119,7 @@ class JoinGrant:
             "keyring": self.keyring,
             "members": {nid: dict(entry) for nid, entry in self.members.items()},
             "removed": dict(self.removed),
+            "keys": {"version": self.keys_version, "removed": sorted(self.removed_keys)},
         }
 
     @classmethod
@@ -131,7 +136,10 @@ class JoinGrant:
             Keyring.from_json(keyring)
         except KeyringError as exc:
             raise ClusterError(f"the join grant's keyring is unusable: {exc}") from None
-        return cls(cluster_id, keyring, _valid_members(data.get("members")), _valid_removed(data.get("removed")))
+        version, removed_keys = valid_keys_state(data.get("keys"))
+        return cls(
+            cluster_id, keyring, _valid_members(data.get("members")), _valid_removed(data.get("removed")), max(0, version), removed_keys
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +272,19 @@ def _valid_removed(data: object) -> dict[str, float]:
     return {nid: float(at) for nid, at in data.items() if type(nid) is str and _NODE_ID.fullmatch(nid) and _is_time(at)}
 
 
+def valid_keys_state(data: object) -> tuple[int, frozenset[str]]:
+    """(keyring version, removed key ids) of what `keys_state` made; version -1 for anything else (a peer that
+    does not order its keyring: never newer than this node's), malformed key ids dropped."""
+    if not isinstance(data, dict):
+        return -1, frozenset()
+    version, removed = data.get("version"), data.get("removed")
+    if type(version) is not int or version < 0:
+        version = -1
+    if not isinstance(removed, list) or len(removed) > MAX_REMOVED_KEYS:
+        return version, frozenset()
+    return version, frozenset(k for k in removed if type(k) is str and _KEY_ID.fullmatch(k))
+
+
 def _rank(entry: MemberEntry) -> tuple[float, float, str, str, str]:
     """A total order on entries for the same node, so that every member keeps the same one: the newest
     certificate (a renewal), then the latest admission, then anything, deterministically."""
@@ -289,6 +310,8 @@ class ClusterState:
         invites: dict[str, InviteEntry] | None = None,
         generation: int = 0,
         incarnation: int = 0,
+        keys_version: int = 0,
+        removed_keys: set[str] | None = None,
     ) -> None:
         self.path = path
         self.node_id = node_id  # this node's
@@ -300,6 +323,10 @@ class ClusterState:
         self._invites = invites or {}
         self._generation = generation
         self._incarnation = incarnation
+        # Keyring changes are ordered: each install, use and remove counts one, and removed keys are remembered, so a
+        # member that missed a rotation adopts it instead of bringing the old key back (see `keys_merge`).
+        self._keys_version = keys_version
+        self._removed_keys = removed_keys or set()
 
     # -- creation and persistence -------------------------------------------------------------------
 
@@ -330,6 +357,7 @@ class ClusterState:
             raise ClusterError(f"the join grant's keyring is unusable: {exc}") from None
         members = {nid: MemberEntry(**entry) for nid, entry in grant.members.items() if nid not in grant.removed}
         state = cls._fresh(state_dir, identity, name, grant.cluster_id, keyring, members, dict(grant.removed))
+        state._keys_version, state._removed_keys = grant.keys_version, set(grant.removed_keys)
         mine = members.get(identity.node_id)
         state._members[identity.node_id] = MemberEntry(
             cert=identity.certificate_pem().decode("ascii"),
@@ -384,6 +412,8 @@ class ClusterState:
                 {str(h): InviteEntry(expires=float(inv["expires"]), used=bool(inv["used"])) for h, inv in doc["invites"].items()},
                 int(doc["generation"]),
                 int(doc["incarnation"]),
+                int(doc.get("keys_version", 0)),  # absent from a file written before keyring changes were ordered
+                {str(k) for k in doc.get("removed_keys", [])},
             )
         except (ValueError, TypeError, KeyError, AttributeError, KeyringError) as exc:
             raise ClusterError(f"{path} is damaged: {type(exc).__name__}: {exc}") from None
@@ -400,6 +430,8 @@ class ClusterState:
             "invites": self._invites,
             "generation": self._generation,
             "incarnation": self._incarnation,
+            "keys_version": self._keys_version,
+            "removed_keys": sorted(self._removed_keys),
         }
         write_private(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
 
@@ -448,7 +480,9 @@ class ClusterState:
 
     def grant(self) -> JoinGrant:
         """What a newly admitted node receives."""
-        return JoinGrant(self.cluster_id, self.keyring.to_json(), self.members, dict(self._removed))
+        return JoinGrant(
+            self.cluster_id, self.keyring.to_json(), self.members, dict(self._removed), self._keys_version, frozenset(self._removed_keys)
+        )
 
     # -- invites ------------------------------------------------------------------------------------
 
@@ -612,10 +646,25 @@ class ClusterState:
         primary = self.keyring.primary
         return [(key_id(k), k == primary) for k in self.keyring.keys()]
 
+    @property
+    def keys_version(self) -> int:
+        return self._keys_version
+
+    @property
+    def removed_keys(self) -> frozenset[str]:
+        return frozenset(self._removed_keys)
+
+    def keys_state(self) -> dict[str, Any]:
+        """The keyring's order in plain types, sent with its primary key for another member's `keys_merge`."""
+        return {"version": self._keys_version, "removed": sorted(self._removed_keys)}
+
     def keys_install(self, key_b64: str) -> str:
-        """Install a base64 key (accepted for opening, not yet used to seal); its key id."""
+        """Install a base64 key (accepted for opening, not yet used to seal); its key id. Refused for a removed key."""
         key = _decode_key(key_b64)
+        if key_id(key) in self._removed_keys:
+            raise ClusterError(f"key {key_id(key)} was removed from this cluster and cannot be installed again: install a new one")
         self.keyring.install(key)
+        self._keys_version += 1
         self._save()
         return key_id(key)
 
@@ -623,17 +672,54 @@ class ClusterState:
         """Seal with an installed key, named by its key id or given in base64; its key id."""
         chosen = self._installed(key)
         self.keyring.use(chosen)
+        self._keys_version += 1
         self._save()
         return key_id(chosen)
 
     def keys_remove(self, key: str) -> None:
-        """Stop accepting an installed key, named by its key id or given in base64; refused for the primary."""
+        """Stop accepting an installed key, named by its key id or given in base64, for good; refused for the primary."""
         chosen = self._installed(key)
         try:
             self.keyring.remove(chosen)
         except KeyringError as exc:
             raise ClusterError(str(exc)) from None
+        self._removed_keys.add(key_id(chosen))
+        self._keys_version += 1
         self._save()
+
+    def keys_merge(self, primary_b64: object, remote: object) -> bool:
+        """Take in another member's primary key and `keys_state`; whether this keyring changed. Nothing a remote sends
+        makes it raise.
+
+        Removed keys are removed here too, and never installed again. The newer keyring wins, by (version, primary's
+        id): the older side uses the newer primary, keeping its own old primary installed (unless removed) so that
+        datagrams sealed with it by members not yet told still open. A primary not newer, and not removed, is only
+        installed: a member that runs a release without ordered keyrings is still heard.
+        """
+        version, removed = valid_keys_state(remote)
+        changed = not removed <= self._removed_keys
+        self._removed_keys |= removed
+        try:
+            primary: bytes | None = _decode_key(primary_b64) if isinstance(primary_b64, str) else None
+        except ClusterError:
+            primary = None
+        if primary is not None and key_id(primary) not in self._removed_keys:
+            if (version, key_id(primary)) > (self._keys_version, key_id(self.keyring.primary)):
+                self.keyring.install(primary)
+                self.keyring.use(primary)
+                self._keys_version = version
+                changed = True
+            elif primary not in self.keyring:
+                self.keyring.install(primary)
+                changed = True
+        for key in self.keyring.keys():
+            # The primary stays until this node uses another key: it must go on sealing with something the others open.
+            if key_id(key) in self._removed_keys and key != self.keyring.primary:
+                self.keyring.remove(key)
+                changed = True
+        if changed:
+            self._save()
+        return changed
 
     def _installed(self, key: str) -> bytes:
         for installed in self.keyring.keys():

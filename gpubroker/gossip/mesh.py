@@ -402,12 +402,19 @@ class Mesh:
     async def _push_pull(self, addr: Addr) -> None:
         ours = self.membership.push_pull_state()
         answer = await self._call(
-            addr, {"op": "push_pull", "state": wire.encode(ours), "cluster": self.cluster.export(), "primary": self._primary()}
+            addr,
+            {
+                "op": "push_pull",
+                "state": wire.encode(ours),
+                "cluster": self.cluster.export(),
+                "primary": self._primary(),
+                "keys": self.cluster.keys_state(),
+            },
         )
         if answer is None:
             return
         self._merge_cluster(answer.get("cluster"))
-        self._learn_primary(answer.get("primary"))
+        self._learn_keys(answer.get("primary"), answer.get("keys"))
         try:
             remote = wire.decode(answer["state"])
         except (KeyError, TypeError, wire.WireError):
@@ -420,12 +427,20 @@ class Mesh:
     def _primary(self) -> str:
         return base64.b64encode(self.cluster.keyring.primary).decode()
 
-    def _learn_primary(self, key: object) -> None:
-        """Install (never use, never remove) the key a member seals with, if it is new here."""
-        if isinstance(key, str) and key != self._primary():
-            with contextlib.suppress(ClusterError, ValueError):  # a garbled key from a peer is ignored
-                if key_id(base64.b64decode(key)) not in {k for k, _ in self.cluster.keys_list()}:
-                    self._apply_keys({"install": key})
+    def _learn_keys(self, primary: object, keys: object) -> None:
+        """Take in a member's keyring as push-pull carries it: the newer keyring wins, removed keys stay removed (a
+        member that was down during a rotation adopts it rather than bringing the old key back everywhere)."""
+        before = self.cluster.keyring.primary
+        if not self.cluster.keys_merge(primary, keys):
+            return
+        if self._datagrams is not None:
+            self._datagrams.keyring = self.cluster.keyring
+        if self.cluster.keyring.primary != before:
+            self.broker.record_event(
+                "mesh.keys",
+                f"this node missed a keyring change and now seals with key {key_id(self.cluster.keyring.primary)}, as the members do",
+                details={"version": self.cluster.keys_version},
+            )
 
     async def _tcp_ping(self, request: Any) -> None:
         answer = await self._call(request.addr, {"op": "ping", "ping": wire.encode(request.ping)}, expect=request.node)
@@ -486,7 +501,7 @@ class Mesh:
             return self._ask_request(request) if op == "ask" else {"error": "members only"}
         if op == "push_pull":
             self._merge_cluster(request.get("cluster"))
-            self._learn_primary(request.get("primary"))
+            self._learn_keys(request.get("primary"), request.get("keys"))
             try:
                 remote = wire.decode(request["state"])
             except (KeyError, TypeError, wire.WireError):
@@ -496,7 +511,12 @@ class Mesh:
             now = self.clock()
             ours = self.membership.push_pull_received(now, remote)
             self._drain(now)
-            return {"state": wire.encode(ours), "cluster": self.cluster.export(), "primary": self._primary()}
+            return {
+                "state": wire.encode(ours),
+                "cluster": self.cluster.export(),
+                "primary": self._primary(),
+                "keys": self.cluster.keys_state(),
+            }
         if op == "ping":
             try:
                 ping = wire.decode(request["ping"])
@@ -516,6 +536,7 @@ class Mesh:
                 self._apply_keys(request["change"])
             except (ClusterError, KeyError, TypeError, ValueError) as error:
                 return {"error": str(error)}
+            self._learn_keys(request.get("primary"), request.get("keys"))  # the sender's order, if this node missed a change
             return {"ok": True}
         return {"error": f"unknown op {op!r}"}
 
@@ -787,7 +808,8 @@ class Mesh:
             raise BrokerError(FailureCode.INVALID_REQUEST, str(error), {}) from None
         self.broker.record_event("mesh.keys", f"keyring change {next(iter(applied))} made here and sent to the members", details={})
         live = [m for m in self._others() if m.state is MemberState.ALIVE]
-        answers = await asyncio.gather(*(self._call(m.addr, {"op": "keys", "change": applied}, expect=m.node) for m in live))
+        sent = {"op": "keys", "change": applied, "primary": self._primary(), "keys": self.cluster.keys_state()}
+        answers = await asyncio.gather(*(self._call(m.addr, sent, expect=m.node) for m in live))
         results = {
             m.node: ("ok" if a is not None and "error" not in a else str((a or {}).get("error", "no answer")))
             for m, a in zip(live, answers, strict=True)

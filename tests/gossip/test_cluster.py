@@ -638,3 +638,55 @@ def test_key_mistakes_are_refused_and_change_nothing(tmp_path: Path) -> None:
     reloaded = ClusterState.load(state.path.parent)
     assert reloaded is not None
     assert reloaded.keys_list() == [(primary, True)]
+
+
+def test_a_member_that_missed_a_rotation_adopts_it_and_never_brings_the_removed_key_back(tmp_path: Path) -> None:
+    a = make(tmp_path)
+    b = joined(tmp_path, a, B, "node-b", NOW + 1)
+    old = a.keyring.primary
+    new = new_key_b64()
+    a.keys_install(new)  # node-b is down for all three steps
+    new_id = a.keys_use(key_id(base64.b64decode(new)))
+    a.keys_remove(key_id(old))
+    c = joined(tmp_path, a, C, "node-c", NOW + 2)  # admitted meanwhile: its grant carries the keyring's order
+
+    # The push-pull when node-b comes back, in both directions: node-a and node-c ignore node-b's old primary...
+    for member in (a, c):
+        assert not member.keys_merge(base64.b64encode(b.keyring.primary).decode(), b.keys_state())
+        assert member.keys_list() == [(new_id, True)]
+    # ...and node-b uses the newer key and drops the removed one.
+    assert b.keys_merge(base64.b64encode(a.keyring.primary).decode(), a.keys_state())
+    assert b.keys_list() == [(new_id, True)] == c.keys_list()
+    assert b.keys_version == a.keys_version == 3
+    with pytest.raises(ClusterError, match="removed"):
+        b.keys_install(base64.b64encode(old).decode())
+    # A member still on a release that does not order keyrings offers only its primary: the removed key stays out.
+    assert not b.keys_merge(base64.b64encode(old).decode(), None)
+    reloaded = ClusterState.load(b.path.parent)
+    assert reloaded is not None
+    assert (reloaded.keys_list(), reloaded.keys_version, reloaded.removed_keys) == ([(new_id, True)], 3, {key_id(old)})
+
+
+def test_until_a_member_is_told_to_remove_its_old_key_it_keeps_opening_what_is_sealed_with_it(tmp_path: Path) -> None:
+    a = make(tmp_path)
+    b = joined(tmp_path, a, B, "node-b", NOW + 1)
+    old = a.keyring.primary
+    new = new_key_b64()
+    a.keys_install(new)
+    a.keys_use(new)  # node-b missed both; nothing is removed yet
+    assert b.keys_merge(base64.b64encode(a.keyring.primary).decode(), a.keys_state())
+    assert b.keyring.primary == base64.b64decode(new)
+    assert old in b.keyring  # a third member not yet told still seals with it
+    sealed = Keyring(old).seal(b"ping")
+    assert b.keyring.open(sealed) == b"ping"
+
+
+def test_two_members_that_changed_their_keyrings_apart_agree_on_one_primary(tmp_path: Path) -> None:
+    a = make(tmp_path)
+    b = joined(tmp_path, a, B, "node-b", NOW + 1)
+    for state in (a, b):  # the same number of changes, each its own new key, on either side of a partition
+        state.keys_use(state.keys_install(new_key_b64()))
+    offer_a, offer_b = ((base64.b64encode(s.keyring.primary).decode(), s.keys_state()) for s in (a, b))
+    a.keys_merge(*offer_b)
+    b.keys_merge(*offer_a)
+    assert a.keyring.primary == b.keyring.primary
