@@ -51,6 +51,7 @@ PUBLISH_EVERY = 0.5  # seconds between looks at our own figures; the Publisher k
 # Seconds after its start by which a node announces its own choice of coordinator even without having heard every
 # member's document (some may be down): a push-pull interval, in which a live member publishes three times.
 SETTLE_WITHIN = 30.0
+REMOVAL_NOTICE_WITHIN = 2.0  # seconds a removal waits to tell the removed node; it is told at most once, best effort
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,6 +532,9 @@ class Mesh:
             return {"error": "only a node's own document is served by it"}
         if op == "release":
             return await self._forwarded_release(peer, request)
+        if op == "removed":  # a member removed this node: its tombstones, as a push-pull would carry them
+            self._merge_cluster(request.get("cluster"))
+            return {"removed": self.cluster.is_removed(self.node_id)}
         if op == "keys" and isinstance(request.get("change"), dict) and len(request["change"]) == 1:
             try:
                 self._apply_keys(request["change"])
@@ -707,6 +711,12 @@ class Mesh:
         owner = self.owner_of(lease_id)
         if owner is None:
             return None
+        if self._removed:
+            raise BrokerError(
+                FailureCode.CAPABILITY_UNAVAILABLE,
+                f"lease {lease_id} is held by node {self._name_of(owner)}, but this node was removed from the cluster and no member answers it",
+                {"node": owner},
+            )
         member = self.membership.member(owner)
         if member is None or member.state in (MemberState.DEAD, MemberState.LEFT):
             raise self._owner_gone(lease_id, owner, member)
@@ -768,8 +778,11 @@ class Mesh:
         ]
         return {"members": members, "pending": pending, "removed": sorted(self.cluster.removed)}
 
-    def remove(self, node: str) -> dict[str, Any]:
-        """A removed member's certificate is refused from its next connection on, everywhere the removal reaches."""
+    async def remove(self, node: str) -> dict[str, Any]:
+        """A removed member's certificate is refused from its next connection on, everywhere the removal reaches; the
+        node itself is told, if it can be reached now, so that it stops (no member will talk to it again)."""
+        der = self.cluster.members_der().get(node)
+        member = self.membership.member(node) if self._membership is not None else None
         try:
             self.cluster.remove(node, self.clock())
         except ClusterError as error:
@@ -777,8 +790,24 @@ class Mesh:
                 FailureCode.NOT_FOUND if "unknown" in str(error) else FailureCode.FORBIDDEN, str(error), {"node": node}
             ) from None
         self.view.forget(node)
-        self.broker.record_event("mesh.member.removed", f"node {node} was removed from the cluster", details={"node": node})
+        told = der is not None and member is not None and member.state not in GONE and await self._tell_removed(node, member.addr, der)
+        self.broker.record_event(
+            "mesh.member.removed",
+            f"node {node} was removed from the cluster ({'it was told' if told else 'it could not be told, and will not be'})",
+            details={"node": node, "told": told},
+        )
         return self.nodes_json()
+
+    async def _tell_removed(self, node: str, addr: Addr, der: bytes) -> bool:
+        """Send the removed node this cluster's tombstones over mutual TLS, pinned to the certificate it was admitted
+        with (no longer a member's here); whether it took them. It still trusts this node, which is still a member."""
+        request = {"op": "removed", "cluster": self.cluster.export()}
+        try:
+            answer = await call_member(addr, self.identity, {node: der}, request, expect=node, timeout=REMOVAL_NOTICE_WITHIN)
+        except PeerError as error:
+            log.debug("removed node %s: %s", node, error)
+            return False
+        return answer.get("removed") is True
 
     def keys_json(self) -> dict[str, Any]:
         return {"keys": [{"id": key, "primary": primary} for key, primary in self.cluster.keys_list()]}
@@ -847,19 +876,21 @@ class Mesh:
         return sorted(found, key=lambda f: f["age"])
 
     def cluster_json(self) -> dict[str, Any]:
+        """Every node the mesh knows; a node removed from its cluster shows only itself, and when it was removed."""
         now = self.clock()
+        removed = self.cluster.removed.get(self.node_id)
         nodes: list[dict[str, Any]] = [
             {
                 "id": self.node_id,
                 "name": self.broker.config.name,
-                "state": "alive",
+                "state": "alive" if removed is None else "removed",
                 "self": True,
                 "incarnation": self.membership.incarnation,
                 "age": 0.0,
                 **self.broker.node_json(),
             }
         ]
-        for member in self._others():
+        for member in self._others() if removed is None else ():  # what a removed node last heard is no view of anyone
             meta = _Meta.decode(member.meta)
             held = self.view.held.get(member.node)
             entry: dict[str, Any] = {
@@ -875,8 +906,8 @@ class Mesh:
                 entry["document"] = {"generation": held.document.generation, "version": held.document.version, **held.document.body}
             nodes.append(entry)
         announced = self.coordinator if self.coordinator is not None and self.coordinator.epoch > PROVISIONAL else None
-        coordinator = {"id": announced.node, "epoch": announced.epoch} if announced else None
-        return {"nodes": nodes, "coordinator": coordinator, "health": self.membership.health_score()}
+        coordinator = {"id": announced.node, "epoch": announced.epoch} if announced and removed is None else None
+        return {"nodes": nodes, "coordinator": coordinator, "health": self.membership.health_score(), "removed": removed}
 
 
 def _has_room(gpu: dict[str, Any], request: LeaseRequest, body: dict[str, Any], node: str) -> bool:

@@ -525,7 +525,7 @@ async def list_nodes(request: web.Request) -> web.Response:
 
 async def remove_node(request: web.Request) -> web.Response:
     _admin(request)
-    return web.json_response(_mesh(request).remove(request.match_info["id"]))
+    return web.json_response(await _mesh(request).remove(request.match_info["id"]))
 
 
 async def approve_node(request: web.Request) -> web.Response:

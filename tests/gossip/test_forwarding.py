@@ -322,3 +322,13 @@ async def test_a_key_change_reports_every_member_and_those_not_reached_say_why(t
     finally:
         await server.close()
     assert [request["op"] for request in asked] == ["keys", "keys"]  # node-c was not called
+
+
+async def test_a_release_forwarded_from_a_removed_node_says_it_was_removed_rather_than_that_the_owner_did_not_answer(
+    trio: Trio,
+) -> None:
+    trio.membership.set(trio.b.node_id, ("127.0.0.1", 9), MemberState.ALIVE)  # as it last heard, before its removal
+    trio.mesh._removed = True
+    with pytest.raises(BrokerError, match="this node was removed from the cluster") as refused:
+        await trio.mesh.forward_release(LEASE["id"], "the-token")
+    assert (refused.value.code, refused.value.details) == ("CAPABILITY_UNAVAILABLE", {"node": trio.b.node_id})

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from fakes import FakeClock
 
+from gpubroker.config import Config
 from gpubroker.gossip import wire
 from gpubroker.gossip.cluster import ClusterState, JoinGrant, decode_token
 from gpubroker.gossip.identity import Identity
@@ -26,9 +27,13 @@ NOW = 1_800_000_000.0
 
 @dataclass
 class Events:
-    """The broker as the mesh tells it what happened."""
+    """The broker as the mesh tells it what happened and reads its name: a node without GPUs."""
 
+    config: Config
     recorded: list[tuple[str, str]] = field(default_factory=list)
+
+    def node_json(self) -> dict[str, Any]:
+        return {"gpus": []}
 
     def record_event(self, kind: str, message: str, details: dict[str, Any]) -> None:
         self.recorded.append((kind, message))
@@ -37,9 +42,15 @@ class Events:
         return [kind for kind, _ in self.recorded]
 
 
-async def start(tmp_path: Path, identity: Identity, cluster: ClusterState, clock: FakeClock) -> Mesh:
+async def start(tmp_path: Path, identity: Identity, name: str, cluster: ClusterState, clock: FakeClock) -> Mesh:
     """A member's mesh as `Mesh.run` sets it up, without its loops: a test drives its push-pulls and key changes."""
-    mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1", mdns=False), Events(), identity, cluster, clock=clock.now)  # type: ignore[arg-type]
+    mesh = Mesh(
+        MeshSettings(("127.0.0.1", 0), "127.0.0.1", mdns=False),
+        Events(Config(state_dir=tmp_path / name, name=name)),
+        identity,
+        cluster,
+        clock=clock.now,
+    )  # type: ignore[arg-type]
     mesh._server = await PeerServer.start(("127.0.0.1", 0), identity, cluster.members_der, mesh._on_request)
     mesh._membership = Membership(
         identity.node_id,
@@ -68,7 +79,7 @@ async def pair(tmp_path: Path) -> AsyncIterator[tuple[Mesh, Mesh]]:
     grant = cluster_a.redeem(secret, b.certificate_pem().decode(), "node-b", NOW, a.node_id)
     cluster_b = ClusterState.adopt(tmp_path / "cluster-b", b, "node-b", JoinGrant.from_dict(grant.to_dict()), now=NOW)
     clock = FakeClock(NOW)
-    meshes = (await start(tmp_path, a, cluster_a, clock), await start(tmp_path, b, cluster_b, clock))
+    meshes = (await start(tmp_path, a, "node-a", cluster_a, clock), await start(tmp_path, b, "node-b", cluster_b, clock))
     try:
         yield meshes
     finally:
@@ -94,3 +105,17 @@ async def test_a_member_down_during_a_rotation_adopts_it_and_the_removed_key_com
     reloaded = ClusterState.load(b.cluster.path.parent)
     assert reloaded is not None
     assert reloaded.keys_list() == [(new, True)]
+
+
+async def test_a_removed_node_is_told_by_its_remover_and_stops_showing_its_cluster(pair: tuple[Mesh, Mesh]) -> None:
+    a, b = pair
+    await a._push_pull(b.membership.addr)  # node-a hears that node-b is alive, and where
+    assert b.cluster_json()["removed"] is None
+    await a.remove(b.node_id)
+    assert a.broker.recorded[-1] == ("mesh.member.removed", f"node {b.node_id} was removed from the cluster (it was told)")  # type: ignore[attr-defined]
+    assert "mesh.removed" in b.broker.kinds()  # type: ignore[attr-defined]
+    assert b._removed  # its loops end: it gossips no more
+    shown = b.cluster_json()
+    assert shown["removed"] == a.cluster.removed[b.node_id]
+    assert [(n["id"], n["state"]) for n in shown["nodes"]] == [(b.node_id, "removed")]  # nobody shown alive any more
+    assert shown["coordinator"] is None
