@@ -33,7 +33,7 @@ from gpubroker.config import Config
 from gpubroker.ui import api
 from gpubroker.ui.api import MeshSlot, allowed_hosts, make_app, unreadable_detail
 from gpubroker.ui.auth import Guard, Sessions, is_loopback, load_or_create_api_token
-from gpubroker.units import gib
+from gpubroker.units import gib, log_line
 
 if TYPE_CHECKING:
     from gpubroker.gossip.mesh import Mesh
@@ -385,9 +385,9 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
             flush=True,
         )
         if broker.start_warning is not None:
-            print(f"gpubroker: {broker.start_warning}", file=sys.stderr, flush=True)
+            log_line(broker.start_warning)
         for warning in config_warnings(config, broker):
-            print(f"gpubroker: warning: {warning}", file=sys.stderr, flush=True)
+            log_line(f"warning: {warning}")
 
     async def main() -> None:
         task = asyncio.current_task()
@@ -395,15 +395,15 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
         loop = asyncio.get_running_loop()
 
         def stop(signum: int) -> None:
-            print(f"gpubroker: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
-            task.cancel()
+            task.cancel()  # first: a log nobody reads any more must not keep the broker from stopping
+            log_line(f"{signal.Signals(signum).name}: stopping")
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop, signum)
         with contextlib.suppress(asyncio.CancelledError):
             await serve(config, on_ready=ready, join=join, ask=ask)
             return
-        print("gpubroker: stopped", file=sys.stderr, flush=True)
+        log_line("stopped")
 
     try:
         asyncio.run(main())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+import sys
 from datetime import UTC, datetime
 from fractions import Fraction
 
@@ -107,6 +109,13 @@ def rfc3339(timestamp: float) -> str:
     """The RFC 3339 form of a Unix time, in UTC, to the millisecond."""
     moment = datetime.fromtimestamp(timestamp, UTC)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def log_line(text: str) -> None:
+    """One line of the broker's log (its standard error, a service's journal), printable. A log nobody reads any
+    more (a closed pipe, a full disk) is not a reason for the broker to fail: the line is lost, the broker goes on."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"gpubroker: {printable_text(text)}", file=sys.stderr, flush=True)
 
 
 def gib(size: int | None) -> str:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import BrokerProcess, wait_for
+from conftest import BrokerProcess, free_port, wait_for
 
-from gpubroker.client import ClientError
+from gpubroker.client import Client, ClientError, Endpoint
 
 GIB = 2**30
 SIMULATION = """
@@ -367,3 +368,30 @@ def test_settings_that_cannot_do_what_they_say_are_warned_of_at_start(broker_pro
         "gpubroker: warning: [[stamp]] user 'no-such-user-here' is no user of this machine: that stamp never applies\n",
         "gpubroker: warning: reserve (30.0 GiB) is as large as every GPU: no GPU memory can be leased\n",
     ]
+
+
+def test_a_broker_whose_log_nobody_reads_any_more_goes_on_and_still_stops_on_sigterm(tmp_path: Path) -> None:
+    """`gpubroker up 2>&1 | tee log`, and tee gone: a line the broker cannot write is lost, never the broker."""
+    sim = tmp_path / "gpus.toml"
+    sim.write_text(SIMULATION.format(used="6GiB"))
+    sock = tmp_path / "api.sock"
+    argv = [sys.executable, "-m", "gpubroker", "up", "--state", str(tmp_path / "state"), "--socket", str(sock)]
+    broker = subprocess.Popen(
+        [*argv, "--listen", f"127.0.0.1:{free_port()}", "--simulate-gpus", str(sim)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        assert broker.stdout is not None
+        assert broker.stdout.readline().startswith(b"gpubroker ready")
+        broker.stdout.close()  # the reader is gone
+        sim.write_text("[[gpu]]\nmemory = ")  # a change the log would say
+        client = Client(Endpoint(f"unix:{sock}"))
+        wait_for(lambda: client.call("GET", "/v1/node")["driver_error"] is not None, timeout=10)
+        sim.write_text(SIMULATION.format(used="6GiB"))
+        wait_for(lambda: client.call("GET", "/v1/node")["driver_error"] is None, timeout=10)
+        assert broker.poll() is None
+        broker.send_signal(signal.SIGTERM)
+        assert broker.wait(10) == 0
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+            broker.wait(10)

@@ -13,7 +13,6 @@ import contextlib
 import os
 import pwd
 import secrets
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
 from gpubroker.config import CLASSES, Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, StoreFull
-from gpubroker.units import gib, printable_text, rfc3339
+from gpubroker.units import gib, log_line, rfc3339
 
 RANK = {name: rank for rank, name in enumerate(CLASSES)}
 
@@ -328,9 +327,7 @@ class Broker:
             except Exception as error:  # no file descriptor left, say: the readings go stale (and say so), the broker serves on
                 problem = f"{type(error).__name__}: {error}"
                 if problem != said:
-                    print(
-                        f"gpubroker: a sample of the GPUs and the host failed, and is tried again: {problem}", file=sys.stderr, flush=True
-                    )
+                    log_line(f"a sample of the GPUs and the host failed, and is tried again: {problem}")
                 said = problem
             else:
                 said = None
@@ -351,14 +348,15 @@ class Broker:
         """Take a reading: pressure, over-use and reclaim events, then grant waiters the room that appeared."""
         if host is not None:
             self.host = host
+        said = None
         if error != self.driver_error:
             said = f"GPUs cannot be read: {error}" if error is not None else "GPUs can be read again"
             if error is not None:
                 self._record(self._event("gpu.driver_error", said, code=FailureCode.DRIVER_ERROR))
             else:
                 self._record(self._event("gpu.driver_ok", said))
-            if self._sampled:  # the log says it too (the first reading's state is in the ready line)
-                print(f"gpubroker: {printable_text(said)}", file=sys.stderr, flush=True)
+        if said is not None and self._sampled:  # the log says it too (the first reading's state is in the ready line)
+            log_line(said)
         self._sampled = True
         self.driver_error = error
         self.readings = readings if readings is not None else []

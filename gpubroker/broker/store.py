@@ -12,7 +12,6 @@ import asyncio
 import functools
 import queue
 import struct
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import lmdb
 import msgpack
 
 from gpubroker.errors import StoreFull
+from gpubroker.units import log_line
 
 _KEY = struct.Struct(">Q")
 PRUNE_EVERY = 64  # history (events, ended leases) is dropped in groups of this many: fewer pages per commit
@@ -160,7 +160,7 @@ class Store:
                 for batch, problem in unpackable.items():
                     self._resolve([batch], problem)
                     if batch.future is None:  # an event nobody waits on: it is lost, and says so
-                        print(f"gpubroker: an event could not be kept: {problem}", file=sys.stderr, flush=True)
+                        log_line(f"an event could not be kept: {problem}")
                 batches = [batch for batch in batches if batch not in unpackable]
             error = self._write(batches) if batches else None
             self._resolve(batches, error)
