@@ -276,6 +276,16 @@ class _Terminal:
             return False
 
     @property
+    def foreground(self) -> int | None:
+        """The process group the terminal's input goes to now (None: none known)."""
+        if self._fd is None:
+            return None
+        try:
+            return os.tcgetpgrp(self._fd)
+        except OSError:
+            return None
+
+    @property
     def held(self) -> bool:
         """Whether CMD was given the terminal (this process started in the foreground of one)."""
         return self._fd is not None
@@ -357,7 +367,13 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
 
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
-    code = _wait_as_a_job(child, terminal)
+
+    def hold(stopped: bool) -> None:
+        with contextlib.suppress(ClientError):
+            ttl = STOPPED_TTL if stopped else f"{float(lease['ttl']):g}s"
+            client.call("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": ttl}, headers=token)
+
+    code = _wait_as_a_job(child, terminal, hold)
     terminal.take_back()
     done.set()
     _release_after(client, lease["id"], token)
@@ -368,26 +384,49 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     return code if code >= 0 else 128 - code
 
 
-def _wait_as_a_job(child: subprocess.Popen[bytes], terminal: _Terminal) -> int:
-    """CMD's exit code (negative: the signal that ended it). At a terminal, CMD stopped by Ctrl-Z stops this
-    process too, so the shell that started it gets its terminal and job back; `fg` hands the terminal to CMD again
-    and continues it, `bg` continues it in the background. The lease is held (and renewed) meanwhile."""
-    while True:
-        try:
-            _, status = os.waitpid(child.pid, os.WUNTRACED)
-        except InterruptedError:
-            continue
-        if not os.WIFSTOPPED(status):
-            child.returncode = os.waitstatus_to_exitcode(status)
-            return child.returncode
-        if terminal.ours or not terminal.held:
-            continue  # not stopped from the terminal (a SIGSTOP sent to it, say): whoever stopped it continues it
-        terminal.give_back()
-        os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until the shell continues the job (fg or bg)
-        if terminal.ours:  # fg: the shell gave this job the terminal
+STOPPED_TTL = "24h"  # the lease's TTL while its job is stopped: the renewer stops with it, the work's memory stays held
+
+
+def _wait_as_a_job(child: subprocess.Popen[bytes], terminal: _Terminal, hold: Callable[[bool], None]) -> int:
+    """CMD's exit code (negative: the signal that ended it), with job control as a shell's job has it.
+
+    At a terminal, CMD stopped by Ctrl-Z (it had the terminal) or by reading the terminal from the background
+    stops this process's whole job too, so the shell gets its terminal and the job back and says "Stopped";
+    when the shell continues the job, CMD is handed the terminal if the job has it (`fg`) and continued. A
+    stopped job's memory stays held, so its lease is renewed with STOPPED_TTL first (`hold(True)`, since the
+    renewer stops with this process) and with its own TTL again once continued (`hold(False)`)."""
+    if not terminal.held:
+        return _exit_code(child, os.waitpid(child.pid, 0)[1])
+
+    def continued(_signum: int, _frame: object) -> None:
+        if terminal.ours:  # fg: the shell gave the job the terminal; CMD is to have it
             terminal.hand_to(child.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGCONT)
+
+    signal.signal(signal.SIGCONT, continued)
+    try:
+        while True:
+            _, status = os.waitpid(child.pid, os.WUNTRACED)
+            if not os.WIFSTOPPED(status):
+                return _exit_code(child, status)
+            if terminal.foreground == child.pid:
+                terminal.give_back()  # Ctrl-Z: the terminal goes back to the job, for the shell to take
+            elif terminal.ours:
+                # Stopped for reading or writing the terminal just as the job came to the foreground: go on.
+                continued(signal.SIGCONT, None)
+                continue
+            hold(True)
+            os.killpg(0, signal.SIGTSTP)  # the whole job, as the terminal stops it: stopped here until continued
+            hold(False)
+            continued(signal.SIGCONT, None)  # (done already if this process was stopped; not where the kernel would not stop it)
+    finally:
+        signal.signal(signal.SIGCONT, signal.SIG_DFL)
+
+
+def _exit_code(child: subprocess.Popen[bytes], status: int) -> int:
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return child.returncode
 
 
 def _stop_group(pgid: int, done: threading.Event) -> None:

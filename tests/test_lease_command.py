@@ -286,13 +286,13 @@ def process_state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
 
 
-# A shell's job control, as little of it as the Ctrl-Z test needs, run as the session leader of a pseudo-terminal:
+# A shell's job control, as little of it as the Ctrl-Z tests need, run as the session leader of a pseudo-terminal:
 # the job (argv[3:]) in a process group of its own in the foreground; when it stops, the terminal is taken back and
-# "stopped" said on descriptor argv[1]; a line on descriptor argv[2] is `fg`; the job's exit status is said at its end.
+# "stopped" said on descriptor argv[1]; a line on descriptor argv[2] is `fg` or `bg`; the job's exit status is said at its end.
 MINI_SHELL = """\
 import os, signal, subprocess, sys
 signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-report, fg = int(sys.argv[1]), int(sys.argv[2])
+report, told = int(sys.argv[1]), int(sys.argv[2])
 job = subprocess.Popen(sys.argv[3:], process_group=0)
 os.tcsetpgrp(0, job.pid)
 while True:
@@ -302,8 +302,8 @@ while True:
         break
     os.tcsetpgrp(0, os.getpgrp())
     os.write(report, f"stopped {job.pid}\\n".encode())
-    os.read(fg, 100)
-    os.tcsetpgrp(0, job.pid)
+    if os.read(told, 100) == b"fg\\n":
+        os.tcsetpgrp(0, job.pid)
     os.killpg(job.pid, signal.SIGCONT)
 """
 
@@ -320,23 +320,23 @@ def said_within(fd: int, timeout: float = 10.0) -> str:
     return line.decode()
 
 
-def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_and_fg_continues_both(
-    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_and_fg_or_bg_continues_them(
+    gpubroker: list[str], broker_process: MakeBroker
 ) -> None:
     broker = start_broker(gpubroker, broker_process)
     client = broker.client()
     master, slave = os.openpty()
-    said, to_shell = os.pipe()  # the shell's reports, and its `fg`
+    said, to_shell = os.pipe()  # the shell's reports, and its `fg` or `bg`
     shell_reads, tell = os.pipe()
 
     def session() -> None:
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--", "sleep", "60"]
+    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "2s", "--", "sh", "-c", "sleep 1; read x; echo got $x; sleep 60"]
     shell = subprocess.Popen(
-        [sys.executable, "-c", MINI_SHELL, str(to_shell), str(shell_reads), *argv], env=broker.env, stdin=slave, stdout=slave, stderr=slave,
-        pass_fds=(to_shell, shell_reads), preexec_fn=session,
+        [sys.executable, "-c", MINI_SHELL, str(to_shell), str(shell_reads), *argv], env=broker.env, stdin=slave, stdout=slave,
+        stderr=slave, pass_fds=(to_shell, shell_reads), preexec_fn=session,
     )  # fmt: skip
     os.close(slave)
     os.close(to_shell)
@@ -350,10 +350,22 @@ def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_an
         os.write(master, b"\x1a")  # Ctrl-Z
         assert said_within(said) == f"stopped {holder}\n"  # the job stopped, as the shell sees it, and it has its terminal
         assert process_state(cmd) == "T"
-        assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"  # held meanwhile
+        time.sleep(3)  # past the lease's 2 s TTL, with the job's renewer stopped too
+        assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"  # a stopped job's lease is held
+
+        os.write(tell, b"bg\n")  # continued in the background, CMD reads the terminal: the job stops again
+        assert said_within(said) == f"stopped {holder}\n"
+        assert os.tcgetpgrp(master) == shell.pid  # and the terminal stayed the shell's
 
         os.write(tell, b"fg\n")
-        wait_for(lambda: process_state(cmd) == "S" and os.tcgetpgrp(master) == cmd, timeout=5.0)  # CMD has it again, running
+        wait_for(lambda: os.tcgetpgrp(master) == cmd, timeout=5.0)  # CMD has it again, and reads what is typed
+        os.write(master, b"hi\n")
+        output = b""
+        while b"got hi" not in output:
+            assert select.select([master], [], [], 10)[0], output
+            output += os.read(master, 1000)
+        time.sleep(3)  # renewed with its own TTL again, and the renewer goes on
+        assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"
 
         os.write(master, b"\x03")  # Ctrl-C reaches CMD, and ends the job by SIGINT
         assert said_within(said) == f"exit {-signal.SIGINT}\n"
