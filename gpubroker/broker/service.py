@@ -216,16 +216,19 @@ class Broker:
         for lease in [x for x in self.leases.values() if x.pgids]:
             writes += await self._check_groups(lease)
         now = self.clock.now()
+        # Leases that had ended before this start: their groups' stop may have been cut short (those that end
+        # below are stopped by their end).
+        ended_before = [lease for _, lease in self.ended.values() if lease.pgids and lease.ended_at is not None]
         for lease in list(self.leases.values()):
             if lease.expires_at <= now:
                 writes += self._end(lease, "expired", "not renewed before its expiry (while the broker was down)")
             elif lease.bind == "caller" and lease.holder.pid is not None:
                 if not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
                     writes += self._end(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
-        for _, lease in self.ended.values():
+        for lease in ended_before:
             # A broker stopped while it stopped a lease's groups (between SIGTERM and SIGKILL) finishes the job:
             # work never goes on without its lease. Only recent ends: a group id is reused once its group is gone.
-            if lease.pgids and lease.ended_at is not None and now - lease.ended_at < self.config.kill_grace + RESTOP_WITHIN:
+            if lease.ended_at is not None and now - lease.ended_at < self.config.kill_grace + RESTOP_WITHIN:
                 self._spawn(holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), self.config.kill_grace))
         writes.append(
             self._event(

@@ -68,13 +68,16 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
                 "pressure": bool(gpu.get("pressure")),
             }
         )
-    now_at = {gpu["uuid"]: gpu["index"] for gpu in node.get("gpus", [])}  # a lease's card by its UUID, as the driver numbers it now
+    # A lease's card by its UUID, as the driver numbers the cards now; a card it no longer lists is left out where
+    # another card now has its index (peers read a lease's card by index), and kept at its index where none has.
+    now_at = {gpu["uuid"]: gpu["index"] for gpu in node.get("gpus", [])}
+    taken = set(now_at.values())
     records = [
         {
             "id": lease["id"],
             "holder": lease["holder"].get("name"),
             "priority": lease["priority"],
-            "gpus": [[now_at.get(g.get("uuid"), g["index"]), g["bytes"]] for g in lease.get("gpus", [])],  # where its card is now
+            "gpus": [[now_at.get(g.get("uuid"), g["index"]), g["bytes"]] for g in lease.get("gpus", []) if _shown(g, now_at, taken)],
             "epochs": [lease.get("epoch"), [g.get("epoch") for g in lease.get("gpus", [])]],  # the lease's, and each GPU's
             "preemption": lease.get("preemption"),
             "granted_at": lease.get("granted_at"),
@@ -96,6 +99,11 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
         "leases": (listed := _fitting(records, LEASES_ROOM)),
         "leases_not_listed": len(records) - len(listed),
     }
+
+
+def _shown(gpu: dict[str, Any], now_at: dict[str, int], taken: set[int]) -> bool:
+    """Whether a lease's card is listed: unless the driver no longer lists it and another card now has its index."""
+    return gpu.get("uuid") is None or gpu["uuid"] in now_at or gpu["index"] not in taken
 
 
 def _fitting(records: list[dict[str, Any]], room: int) -> list[dict[str, Any]]:

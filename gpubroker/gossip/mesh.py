@@ -380,13 +380,15 @@ class Mesh:
             )
 
     def _settled(self) -> bool:
-        """Whether this node has heard what every other member announces: it holds the document of each one not
-        known to be dead or gone (none, for a cluster of one), or it started SETTLE_WITHIN ago."""
-        if self.clock() - self._started >= SETTLE_WITHIN:
-            return True
+        """Whether this node has heard what every other member announces: it holds the document of each member
+        alive or suspected (its announcement is on its way), and of each not heard of at all unless it started
+        SETTLE_WITHIN ago (those may be down: a cluster of one, for now, chooses for itself)."""
+        timed_out = self.clock() - self._started >= SETTLE_WITHIN
         for node in self.cluster.members:
+            if node == self.node_id or node in self.view.held:
+                continue
             member = self.membership.member(node)
-            if node != self.node_id and (member is None or member.state not in GONE) and node not in self.view.held:
+            if (member is None and not timed_out) or (member is not None and member.state not in GONE):
                 return False
         return True
 
@@ -920,7 +922,7 @@ def _has_room(gpu: dict[str, Any], request: LeaseRequest, body: dict[str, Any], 
     # Exclusive: the whole GPU, so none of its memory may be leased, whatever is still schedulable beside a lease.
     if figures.get("leased", 0) or any(g["index"] == gpu.get("index") for lease in listed_leases(body, node) for g in lease["gpus"]):
         return False
-    room = figures.get("total", 0) - figures.get("external", 0) - figures.get("resident", 0) - figures.get("reserve", 0)
+    room = figures.get("schedulable", 0)  # with nothing leased, all the room there is (published rounded down, never over)
     return bool(room > 0 and room >= request.gpu_memory)
 
 

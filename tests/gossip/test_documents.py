@@ -214,6 +214,10 @@ def test_a_listed_lease_names_its_card_by_the_index_the_driver_gives_that_card_n
     body = summarize(node, [lease])
     assert body["leases"][0]["gpus"] == [[0, GIB]]  # granted as GPU 1; GPU-b is GPU 0 since the other card went
     assert listed_leases(body, NODE)[0]["gpus"][0]["uuid"] == "GPU-b"
+    on_a = {**lease, "gpus": [{"index": 0, "uuid": "GPU-a", "bytes": GIB, "epoch": 1}]}
+    assert summarize(node, [on_a])["leases"][0]["gpus"] == []  # GPU-a is gone, and its index is GPU-b's now: not shown on it
+    on_c = {**lease, "gpus": [{"index": 3, "uuid": "GPU-c", "bytes": GIB, "epoch": 1}]}
+    assert summarize(node, [on_c])["leases"][0]["gpus"] == [[3, GIB]]  # gone too, but no other card is GPU 3
 
 
 def test_a_node_with_more_leases_than_a_document_holds_lists_what_fits_and_counts_the_rest() -> None:

@@ -251,6 +251,11 @@ def test_an_exclusive_request_is_hinted_only_at_gpus_without_leases_and_a_pinned
     assert hinted({"exclusive": True, "gpu_memory": "8GiB"}) == ["node-c"]
     assert hinted({"exclusive": True, "gpu_memory": "30GiB"}) == []
     assert hinted({"gpu_memory": "8GiB", "gpu": 0}) is None  # GPU 0 of this node: no peer's GPU is that one
+    # The room an exclusive request may count on is the published schedulable figure (rounded down), never one
+    # worked out from figures rounded to the nearest (external published up to 32 MiB low, say).
+    tight = {**empty, "gpus": [{"index": 0, "uuid": "GPU-c0", "figures": {**figures(24 * GIB, 0), "schedulable": 7 * GIB}}]}
+    trio.mesh.view.apply(NodeDocument(c, 1, 2, NOW, tight, b""), NOW)
+    assert hinted({"exclusive": True, "gpu_memory": "8GiB"}) == []
 
 
 @dataclass
@@ -298,6 +303,22 @@ def test_a_node_that_hears_no_announcement_announces_its_own_choice_once_settled
     mesh._elect()
     best = min(mesh.node_id, b)
     assert mesh.coordinator == Coordinator(best, 0, 1)
+
+
+def test_a_node_that_hears_members_alive_but_not_yet_their_documents_waits_for_them_however_long(trio: Trio) -> None:
+    """Past SETTLE_WITHIN, a member known to be alive still announces what it announces: a node that chose for
+    itself at epoch 1 meanwhile would tie with the incumbent's epoch and take over by ranking first."""
+    mesh, b = trio.mesh, trio.b.node_id
+    mesh.broker = Events()  # type: ignore[assignment]
+    mesh._started = NOW
+    mesh.view.forget(b)
+    trio.membership.set(b, ("127.0.0.1", 9), MemberState.ALIVE, meta=_Meta(b, "", 1).encode())  # node-a ranks first
+    mesh.clock = lambda: NOW + 10 * SETTLE_WITHIN  # slow to reach: a lossy link, a busy peer
+    mesh._elect()
+    assert mesh.coordinator == Coordinator(mesh.node_id, 0, 0)  # still its own choice, unannounced
+    mesh.view.apply(NodeDocument(b, 1, 2, NOW, {"name": "node-b", "coordinator": [b, 1, 1]}, b""), NOW)
+    mesh._elect()
+    assert mesh.coordinator == Coordinator(b, 1, 1)  # the incumbent stays
 
 
 async def test_a_key_change_reports_every_member_and_those_not_reached_say_why(trio: Trio) -> None:
