@@ -21,7 +21,7 @@ from gpubroker import __version__
 from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
-from gpubroker.units import gib, printable_text
+from gpubroker.units import gib, printable_text, rfc3339
 
 FOREVER = 10 * 365 * 86400
 
@@ -93,6 +93,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _print_cluster(cluster: dict[str, Any]) -> None:
     """The other nodes as this node's mesh sees them: state, freshness, each GPU's schedulable figure (for the
     nodes up; a dead or departed node's last figures are not its room now)."""
+    removed = cluster.get("removed")
+    if isinstance(removed, int | float):
+        print(
+            f"this node was removed from its cluster at {rfc3339(removed)}: it gossips with no member any more; "
+            "to join again it needs a new identity (a fresh --state, then `gpubroker up --join TOKEN`)"
+        )
+        return
     nodes = cluster.get("nodes", [])
     others = [n for n in nodes if not n.get("self")]
     if not others:

@@ -107,3 +107,12 @@ def test_status_shows_the_room_of_the_nodes_up_only_and_names_the_coordinator(ca
         "  old: dead, seen 95.0s ago",  # its last figures are no room now
         "  new: alive, no document yet",  # not "no GPUs": nothing is known of them yet
     ]
+
+
+def test_status_of_a_node_removed_from_its_cluster_says_so_and_how_to_join_again(capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = {"coordinator": None, "removed": 1796035200.0, "nodes": [{"id": "n-a", "name": "tower", "self": True, "state": "removed"}]}
+    cli._print_cluster(cluster)
+    assert capsys.readouterr().out == (
+        "this node was removed from its cluster at 2026-11-30T10:40:00.000Z: it gossips with no member any more; "
+        "to join again it needs a new identity (a fresh --state, then `gpubroker up --join TOKEN`)\n"
+    )
