@@ -691,10 +691,11 @@ class ClusterState:
         """Take in another member's primary key and `keys_state`; whether this keyring changed. Nothing a remote sends
         makes it raise.
 
-        Removed keys are removed here too, and never installed again. The newer keyring wins, by (version, primary's
-        id): the older side uses the newer primary, keeping its own old primary installed (unless removed) so that
-        datagrams sealed with it by members not yet told still open. A primary not newer, and not removed, is only
-        installed: a member that runs a release without ordered keyrings is still heard.
+        Removed keys are removed here too, and never installed again. A primary that was removed gives way to the
+        other's; else the newer keyring (a higher version) wins: the older side uses the newer primary, keeping its
+        own old primary installed (unless removed) so that datagrams sealed with it by members not yet told still
+        open. A primary not newer, and not removed, is only installed: a member that runs a release without ordered
+        keyrings is still heard.
         """
         version, removed = valid_keys_state(remote)
         changed = not removed <= self._removed_keys
@@ -704,10 +705,16 @@ class ClusterState:
         except ClusterError:
             primary = None
         if primary is not None and key_id(primary) not in self._removed_keys:
-            if (version, key_id(primary)) > (self._keys_version, key_id(self.keyring.primary)):
+            # A removed primary gives way to any primary not removed, whatever the versions (a side of a partition
+            # may have made more changes without that removal). Otherwise the newer keyring's primary is used, and at
+            # equal versions the higher key id's, so concurrent changes agree; but never on the word of keyrings from
+            # before versions (0): one of those may name a key an older release removed and could not remember.
+            # Such a primary is only installed beside this one, so both sides open each other's datagrams.
+            mine = (self._keys_version, key_id(self.keyring.primary))
+            if key_id(self.keyring.primary) in self._removed_keys or (version > 0 and (version, key_id(primary)) > mine):
                 self.keyring.install(primary)
                 self.keyring.use(primary)
-                self._keys_version = version
+                self._keys_version = max(version, self._keys_version)
                 changed = True
             elif primary not in self.keyring:
                 self.keyring.install(primary)

@@ -51,6 +51,9 @@ PUBLISH_EVERY = 0.5  # seconds between looks at our own figures; the Publisher k
 # Seconds after its start by which a node announces its own choice of coordinator even without having heard every
 # member's document (some may be down): a push-pull interval, in which a live member publishes three times.
 SETTLE_WITHIN = 30.0
+# Seconds after which it announces its choice even while members it hears alive have not sent their documents (a
+# peer whose documents cannot be fetched must not leave the cluster without a coordinator for good).
+SETTLE_AT_MOST = 5 * SETTLE_WITHIN
 REMOVAL_NOTICE_WITHIN = 2.0  # seconds a removal waits to tell the removed node; it is told at most once, best effort
 
 
@@ -202,8 +205,12 @@ class Mesh:
         return self._membership
 
     async def run(self) -> None:
-        """Listen, join, and keep the mesh going until cancelled."""
+        """Listen, join, and keep the mesh going until cancelled; nothing, for a node removed from its cluster."""
         self._started = self.clock()
+        if self.cluster.is_removed(self.node_id):  # told so before this start: it gossips with no member again
+            self._removed = True
+            self.broker.record_event("mesh.removed", "this node was removed from its cluster: its mesh is not started", details={})
+            return
         generation = self.cluster.next_generation()
         self._publisher = Publisher(self.node_id, generation, self.identity.public_key_bytes)
         meta = _Meta(self.broker.config.name, self.broker.config.listen, self.settings.priority)
@@ -382,8 +389,11 @@ class Mesh:
     def _settled(self) -> bool:
         """Whether this node has heard what every other member announces: it holds the document of each member
         alive or suspected (its announcement is on its way), and of each not heard of at all unless it started
-        SETTLE_WITHIN ago (those may be down: a cluster of one, for now, chooses for itself)."""
+        SETTLE_WITHIN ago (those may be down: a cluster of one, for now, chooses for itself); or SETTLE_AT_MOST
+        has passed."""
         timed_out = self.clock() - self._started >= SETTLE_WITHIN
+        if self.clock() - self._started >= SETTLE_AT_MOST:
+            return True
         for node in self.cluster.members:
             if node == self.node_id or node in self.view.held:
                 continue
@@ -479,9 +489,11 @@ class Mesh:
             return
         self.view.apply(document, self.clock())
 
-    def _merge_cluster(self, remote: object) -> None:
+    def _merge_cluster(self, remote: object, sender: str | None = None) -> None:
         if not isinstance(remote, dict):
             return
+        if sender is not None and sender in (remote.get("removed") or {}):
+            return  # a node removed itself has no say in who else is (what it last heard may be behind this node's view)
         changed = self.cluster.merge(remote, self.clock())
         for node in changed:
             if self.cluster.is_removed(node):
@@ -503,7 +515,7 @@ class Mesh:
                 return self._join_request(request)
             return self._ask_request(request) if op == "ask" else {"error": "members only"}
         if op == "push_pull":
-            self._merge_cluster(request.get("cluster"))
+            self._merge_cluster(request.get("cluster"), sender=peer)
             self._learn_keys(request.get("primary"), request.get("keys"))
             try:
                 remote = wire.decode(request["state"])
@@ -535,14 +547,14 @@ class Mesh:
         if op == "release":
             return await self._forwarded_release(peer, request)
         if op == "removed":  # a member removed this node: its tombstones, as a push-pull would carry them
-            self._merge_cluster(request.get("cluster"))
+            self._merge_cluster(request.get("cluster"), sender=peer)
             return {"removed": self.cluster.is_removed(self.node_id)}
         if op == "keys" and isinstance(request.get("change"), dict) and len(request["change"]) == 1:
+            self._learn_keys(request.get("primary"), request.get("keys"))  # first: the sender's order, if this node missed a change
             try:
                 self._apply_keys(request["change"])
             except (ClusterError, KeyError, TypeError, ValueError) as error:
                 return {"error": str(error)}
-            self._learn_keys(request.get("primary"), request.get("keys"))  # the sender's order, if this node missed a change
             return {"ok": True}
         return {"error": f"unknown op {op!r}"}
 
@@ -595,7 +607,17 @@ class Mesh:
             )
         return {"pending": True}
 
+    def _refuse_if_removed(self) -> None:
+        """A node removed from its cluster administers it no more: what it last heard may be behind the members' view."""
+        if self.cluster.is_removed(self.node_id):
+            raise BrokerError(
+                FailureCode.CAPABILITY_UNAVAILABLE,
+                "this node was removed from its cluster: it may no longer invite, approve, remove or change keys",
+                {"node": self.node_id},
+            )
+
     def approve(self, node: str) -> dict[str, Any]:
+        self._refuse_if_removed()
         try:
             self.cluster.approve(node, self.node_id, self.clock())
         except ClusterError as error:
@@ -759,6 +781,7 @@ class Mesh:
 
     def invite(self, ttl: float) -> str:
         """A one-time join token naming this node as the seed."""
+        self._refuse_if_removed()
         port = self._datagrams.address[1] if self._datagrams else self.settings.gossip[1]
         token = self.cluster.invite((self.settings.advertise, port), self.identity, ttl, self.clock())
         self.broker.record_event("mesh.invite", f"a join token valid for {ttl:g}s was issued", details={"ttl": ttl})
@@ -783,6 +806,7 @@ class Mesh:
     async def remove(self, node: str) -> dict[str, Any]:
         """A removed member's certificate is refused from its next connection on, everywhere the removal reaches; the
         node itself is told, if it can be reached now, so that it stops (no member will talk to it again)."""
+        self._refuse_if_removed()
         der = self.cluster.members_der().get(node)
         member = self.membership.member(node) if self._membership is not None else None
         try:
@@ -833,6 +857,7 @@ class Mesh:
     async def change_keys(self, change: dict[str, Any]) -> dict[str, Any]:
         """Change the keyring here, then on every live member (over mutual TLS), as `keys` in Serf does; every other
         member is answered too, as not reached and why, so the caller knows its keyring now differs."""
+        self._refuse_if_removed()
         try:
             applied = self._apply_keys(change)
         except ClusterError as error:
@@ -887,7 +912,7 @@ class Mesh:
                 "name": self.broker.config.name,
                 "state": "alive" if removed is None else "removed",
                 "self": True,
-                "incarnation": self.membership.incarnation,
+                "incarnation": self.membership.incarnation if self._membership is not None else self.cluster.incarnation,
                 "age": 0.0,
                 **self.broker.node_json(),
             }
@@ -909,7 +934,8 @@ class Mesh:
             nodes.append(entry)
         announced = self.coordinator if self.coordinator is not None and self.coordinator.epoch > PROVISIONAL else None
         coordinator = {"id": announced.node, "epoch": announced.epoch} if announced and removed is None else None
-        return {"nodes": nodes, "coordinator": coordinator, "health": self.membership.health_score(), "removed": removed}
+        health = self.membership.health_score() if self._membership is not None else None
+        return {"nodes": nodes, "coordinator": coordinator, "health": health, "removed": removed}
 
 
 def _has_room(gpu: dict[str, Any], request: LeaseRequest, body: dict[str, Any], node: str) -> bool:

@@ -8,6 +8,7 @@ import json
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -690,3 +691,56 @@ def test_two_members_that_changed_their_keyrings_apart_agree_on_one_primary(tmp_
     a.keys_merge(*offer_b)
     b.keys_merge(*offer_a)
     assert a.keyring.primary == b.keyring.primary
+
+
+def offer(state: ClusterState) -> tuple[str, dict[str, Any]]:
+    """What a push-pull carries of a member's keyring: its primary, and its order."""
+    return base64.b64encode(state.keyring.primary).decode(), state.keys_state()
+
+
+def test_a_primary_removed_on_one_side_gives_way_whatever_the_other_side_changed_meanwhile(tmp_path: Path) -> None:
+    """A partition: one side rotates away from the old key and removes it; the other makes more changes of its
+    own (spare keys) and still seals with the old key. Once healed, both seal with a key neither removed."""
+    a = make(tmp_path)
+    b = joined(tmp_path, a, B, "node-b", NOW + 1)
+    old = a.keyring.primary
+    new = a.keys_use(a.keys_install(new_key_b64()))
+    a.keys_remove(key_id(old))  # version 3
+    for _ in range(2):
+        b.keys_install(new_key_b64())  # version 2, then 4 with the next two
+    b.keys_remove(b.keys_install(new_key_b64()))
+    assert b.keys_version > a.keys_version
+    before_a, before_b = offer(a), offer(b)
+    a.keys_merge(*before_b)
+    b.keys_merge(*before_a)
+    assert key_id(a.keyring.primary) == key_id(b.keyring.primary) == new
+    assert old not in a.keyring
+    assert old not in b.keyring
+
+
+def test_concurrent_use_and_remove_of_one_key_end_with_both_sealing_with_a_key_neither_removed(tmp_path: Path) -> None:
+    a = make(tmp_path)
+    b = joined(tmp_path, a, B, "node-b", NOW + 1)
+    spare = new_key_b64()
+    for state in (a, b):
+        state.keys_install(spare)
+    a.keys_use(spare)  # one operator, on node-a
+    b.keys_remove(key_id(base64.b64decode(spare)))  # another, on node-b, at the same time: both at version 2
+    before_a, before_b = offer(a), offer(b)
+    a.keys_merge(*before_b)
+    b.keys_merge(*before_a)
+    assert a.keyring.primary == b.keyring.primary != base64.b64decode(spare)
+
+
+def test_keyrings_from_before_versions_never_make_a_member_seal_with_the_others_key(tmp_path: Path) -> None:
+    """Keyrings saved by a release without versions load at version 0: the other's primary may be a key that release
+    removed and could not remember, so it is installed (its datagrams open) but never used."""
+    a = make(tmp_path)
+    b = joined(tmp_path, a, B, "node-b", NOW + 1)
+    b.keyring.install(base64.b64decode(new_key_b64()))
+    b.keyring.use(b.keyring.keys()[-1])  # changed as an older release did: no version
+    assert (a.keys_version, b.keys_version) == (0, 0)
+    ours = a.keyring.primary
+    assert a.keys_merge(*offer(b))
+    assert a.keyring.primary == ours
+    assert b.keyring.primary in a.keyring

@@ -14,6 +14,7 @@ import pytest
 from fakes import FakeClock
 
 from gpubroker.config import Config
+from gpubroker.errors import BrokerError
 from gpubroker.gossip import wire
 from gpubroker.gossip.cluster import ClusterState, JoinGrant, decode_token
 from gpubroker.gossip.identity import Identity
@@ -119,3 +120,33 @@ async def test_a_removed_node_is_told_by_its_remover_and_stops_showing_its_clust
     assert shown["removed"] == a.cluster.removed[b.node_id]
     assert [(n["id"], n["state"]) for n in shown["nodes"]] == [(b.node_id, "removed")]  # nobody shown alive any more
     assert shown["coordinator"] is None
+
+
+async def test_a_removed_node_administers_its_cluster_no_more_nor_starts_its_mesh_again(pair: tuple[Mesh, Mesh], tmp_path: Path) -> None:
+    a, b = pair
+    await a._push_pull(b.membership.addr)
+    await a.remove(b.node_id)
+    for action in (lambda: b.invite(600), lambda: b.approve(a.node_id)):
+        with pytest.raises(BrokerError, match="this node was removed from its cluster"):
+            action()
+    with pytest.raises(BrokerError, match="this node was removed from its cluster"):
+        await b.remove(a.node_id)  # what it last heard may be behind: it has no say in who is a member
+    with pytest.raises(BrokerError, match="this node was removed from its cluster"):
+        await b.change_keys({"install": None})
+    assert not a.cluster.is_removed(a.node_id)
+
+    again = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1", mdns=False), b.broker, b.identity, b.cluster, clock=b.clock)
+    await asyncio.wait_for(again.run(), 5)  # after a restart: returns at once, opening nothing
+    assert (again._removed, again._datagrams, again._server) == (True, None, None)
+    assert again.cluster_json()["nodes"][0]["state"] == "removed"
+
+
+async def test_an_export_that_marks_its_own_sender_removed_is_not_taken_from_it(pair: tuple[Mesh, Mesh]) -> None:
+    """A node that was removed (and may not know it) has no say in who else is: what it last heard may be behind."""
+    a, b = pair
+    export = b.cluster.export()
+    export["removed"] = {**export.get("removed", {}), b.node_id: NOW, a.node_id: NOW}  # as a stale or forged view
+    answer = await a._on_request(b.node_id, {"op": "removed", "cluster": export})
+    assert answer == {"removed": False}
+    assert not a.cluster.is_removed(a.node_id)
+    assert not a._removed
