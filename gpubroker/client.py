@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import os
 import socket
@@ -93,6 +94,23 @@ class Client:
         self.timeout = timeout
         self.token = os.environ.get("GPUBROKER_TOKEN")
 
+    def _refuse_plain_text(self) -> None:
+        """The API token goes to another machine only over https: over plain http anyone on the LAN could read it."""
+        parts = urlsplit(self.endpoint.url)
+        if parts.scheme != "http" or not parts.hostname:
+            return
+        try:
+            loopback = parts.hostname == "localhost" or ipaddress.ip_address(parts.hostname).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ClientError(
+                0,
+                "INVALID_REQUEST",
+                f"GPUBROKER_TOKEN is not sent over plain http to {parts.hostname}, where anyone on the way could read it: "
+                f"a broker on a LAN address serves https, so give GPUBROKER_URL=https://{parts.netloc}",
+            )
+
     def _hint(self) -> str:
         """What to do about a broker that does not answer: a socket path that is something else is named as such."""
         path = self.endpoint.url.removeprefix("unix:") if self.endpoint.url.startswith("unix:") else None
@@ -115,6 +133,7 @@ class Client:
             path += "?" + urlencode({k: v for k, v in query.items() if v is not None})
         sent = {"Content-Type": "application/json", **(headers or {})}
         if self.token:
+            self._refuse_plain_text()
             sent.setdefault("Authorization", f"Bearer {self.token}")
         payload = json.dumps(body).encode() if body is not None else None
         connection = self.endpoint.connection(timeout if timeout is not None else self.timeout)

@@ -125,7 +125,9 @@ def gib(size: int | None) -> str:
     return f"{size / 2**30:.1f}"
 
 
-CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0 and C1 control characters, DEL among them
+# C0 and C1 control characters (DEL among them), and what reorders or hides text around it where it is shown: the
+# bidirectional marks, embeddings, overrides and isolates, zero-width characters and the line and paragraph separators.
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
 def printable_text(text: str, keep: str = "") -> str:
@@ -134,4 +136,9 @@ def printable_text(text: str, keep: str = "") -> str:
     does a control character other than those in `keep`, which would act on the terminal that prints it
     (ESC clears it; CR, LF forge lines)."""
     encodable = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return CONTROL.sub(lambda m: m.group() if m.group() in keep else f"\\x{ord(m.group()):02x}", encodable)
+    return CONTROL.sub(lambda m: m.group() if m.group() in keep else _escape(m.group()), encodable)
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"

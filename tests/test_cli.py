@@ -16,7 +16,7 @@ from conftest import wait_for
 
 from gpubroker import cli
 from gpubroker.broker import holders
-from gpubroker.client import ClientError
+from gpubroker.client import Client, ClientError, Endpoint
 
 
 @pytest.fixture
@@ -116,3 +116,15 @@ def test_status_of_a_node_removed_from_its_cluster_says_so_and_how_to_join_again
         "this node was removed from its cluster at 2026-11-30T10:40:00.000Z: it gossips with no member any more; "
         "to join again it needs a new identity (a fresh --state, then `gpubroker up --join TOKEN`)\n"
     )
+
+
+def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
+    remote = Client(Endpoint("http://10.233.0.2:9740"))
+    remote.token = "SECRET-API-TOKEN"
+    with pytest.raises(ClientError, match="not sent over plain http to 10.233.0.2") as refused:
+        remote.call("GET", "/v1/node")  # refused before any connection is made
+    assert "GPUBROKER_URL=https://10.233.0.2:9740" in refused.value.message
+    local = Client(Endpoint("http://127.0.0.1:1"))
+    local.token = "SECRET-API-TOKEN"
+    with pytest.raises(ClientError, match="UNREACHABLE"):  # on this machine it may go: it is tried
+        local.call("GET", "/v1/node", timeout=2)

@@ -331,3 +331,6 @@ def test_printable_text_holds_no_control_character_and_always_encodes(text: str)
 
 def test_printable_text_writes_control_characters_as_their_escapes() -> None:
     assert printable_text("evil\x1b[2J\nforged\r\x85") == "evil\\x1b[2J\\x0aforged\\x0d\\x85"
+    # What reorders or hides the text shown beside it (a name's right-to-left override turned "15.0" into "0.51").
+    assert printable_text("job\u202e 15.0\u2028\u200b\u2066") == "job\\u202e 15.0\\u2028\\u200b\\u2066"
+    assert printable_text("naïve café 中文 \u00ad") == "naïve café 中文 \u00ad"  # letters and a soft hyphen stay

@@ -76,7 +76,7 @@ def _text(value: Any, name: str, *, empty: bool = False) -> str:
     if not _encodes(value):
         raise _invalid(name, "must be UTF-8 text")
     if CONTROL.search(value):  # it is printed, in events, listings and terminals
-        raise _invalid(name, "must be printable text, without control characters")
+        raise _invalid(name, "must be printable text, without control, bidirectional or invisible formatting characters")
     return value
 
 

@@ -167,7 +167,11 @@ def node_gpus(node: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
         for gpu in node.get("gpus", []):
             external = external_by_name(gpu)
-            holders = [(lease.get("holder") or lease["id"], lease.get("bytes") or 0) for lease in gpu.get("leases", [])]
+            # What each lease counts here: what it declared, or what its processes use where that is more (SPEC §2).
+            holders = [
+                (lease.get("holder") or lease["id"], max(lease.get("bytes") or 0, lease.get("used") or 0))
+                for lease in gpu.get("leases", [])
+            ]
             out.append({**gpu, "external": sorted(external.items()), "holders": holders})
         return out
     document = node.get("document") or {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,9 @@ EVENT_TYPES = (
     "broker.started",
     "gpu.driver_error",
     "gpu.driver_ok",
+    "gpu.found",
     "gpu.memory_not_reclaimed",
+    "gpu.missing",
     "gpu.pressure.started",
     "gpu.pressure.ended",
     "lease.queued",
@@ -39,6 +42,7 @@ EVENT_TYPES = (
     "lease.refused",
     "lease.cancelled",
     "lease.over_declared",
+    "lease.groups_dropped",
     *(f"lease.{state}" for state in ENDED),
     "mesh.ask",
     "mesh.coordinator",
@@ -54,6 +58,9 @@ EVENT_TYPES = (
     "mesh.member.removed",
     "mesh.node.pending",
     "mesh.removed",
+    "request.refused",
+    "ui.sign_in.refused",
+    "ui.signed_in",
     "cluster",
 )
 
@@ -125,6 +132,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     try:
         await response.prepare(request)
+        _give_up_on_silence(request)
         await response.write(b"retry: 2000\n: connected\n\n")
         last_write = loop.time()
         last_look = -CLUSTER_EVERY
@@ -163,6 +171,16 @@ async def stream(request: web.Request) -> web.StreamResponse:
     finally:
         streams.open -= 1
     return response
+
+
+def _give_up_on_silence(request: web.Request) -> None:
+    """A client that vanished without closing (a laptop asleep, a phone off the Wi-Fi) must not hold its stream's
+    slot while the kernel retries for a quarter of an hour: over TCP, the connection ends once what was sent (a
+    heartbeat, at least) has gone unacknowledged for two heartbeats."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(2 * HEARTBEAT_EVERY * 1000))
 
 
 async def close_streams(app: web.Application) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from html.parser import HTMLParser
@@ -332,3 +334,36 @@ async def test_the_sign_in_page_of_a_node_without_a_password_says_there_is_nothi
     text = await (await client.get("/login")).text()
     assert "no UI password" in text
     assert 'action="/login"' not in text  # no form that could never succeed
+
+
+def test_every_event_type_the_broker_records_is_one_the_pages_listen_for() -> None:
+    """A browser's EventSource hands a page only the named events it listens for: a type missing here never shows
+    live (a refused sign-in, a GPU gone), and the page's resume point does not move past it."""
+    source = "\n".join(path.read_text() for path in Path(stream.__file__).parent.parent.rglob("*.py"))
+    recorded = set(re.findall(r"(?:_event|record_event)\(\s*\"([a-z_.]+)\"", source))
+    recorded |= {f"mesh.member.{kind}" for kind in ("dead", "left", "joined", "alive")}  # as _member_event names them
+    assert len(recorded) > 25  # the scan finds them
+    assert recorded <= set(stream.EVENT_TYPES), sorted(recorded - set(stream.EVENT_TYPES))
+
+
+def test_a_lease_using_more_than_it_declared_is_credited_on_the_bar_with_what_it_counts() -> None:
+    """`leased` counts the larger of what a lease declared and what its processes use: so does its part of the bar."""
+    gpu = {
+        "index": 0, "uuid": "GPU-0", "name": "RTX 4090", "processes": [],
+        "figures": {"total": 24 * GIB, "external": 0, "resident": 0, "leased": 5 * GIB, "reserve": GIB, "schedulable": 18 * GIB},
+        "leases": [{"id": "l-1", "holder": "trainer", "bytes": 2 * GIB, "used": 5 * GIB}, {"id": "l-2", "holder": None, "bytes": GIB, "used": 0}],
+    }  # fmt: skip
+    [shown] = pages.node_gpus({"self": True, "gpus": [gpu]})
+    assert shown["holders"] == [("trainer", 5 * GIB), ("l-2", GIB)]
+
+
+async def test_a_stream_over_tcp_ends_once_what_it_sent_goes_unacknowledged_for_two_heartbeats(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    """A client gone without closing (asleep, off the Wi-Fi) would hold its slot while the kernel retried for minutes."""
+    client, _, _ = served
+    async with client.get("/v1/stream") as answer:
+        await read_messages(answer, 1)
+        handlers = [c for c in client.server.runner.server.connections if c.transport is not None]  # type: ignore[union-attr]
+        [sock] = [h.transport.get_extra_info("socket") for h in handlers]
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(2 * stream.HEARTBEAT_EVERY * 1000)
