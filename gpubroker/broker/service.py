@@ -839,11 +839,13 @@ class Broker:
             except BrokerError as error:
                 waiter.granted.set_exception(error)
                 continue
-            self._spawn(self._settle_waiter(waiter, lease, token, writes))
+            # Handed to the writer now, not a turn of the loop later: events reach the disk in the order of their
+            # seqs, so a follower reading after=N never passes over one still on its way.
+            self._spawn(self._settle_waiter(waiter, lease, token, self._commit(writes)))
 
-    async def _settle_waiter(self, waiter: Waiter, lease: Lease, token: str, writes: list[Write]) -> None:
+    async def _settle_waiter(self, waiter: Waiter, lease: Lease, token: str, commit: asyncio.Future[None]) -> None:
         try:
-            await self._commit(writes)
+            await commit
         except BrokerError as error:
             self._rollback(lease)
             if not waiter.granted.done():
@@ -897,10 +899,13 @@ class Broker:
     async def renew(self, lease_id: str, caller: Caller, token: str | None, ttl: float | None) -> Lease:
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
-        if ttl is not None:
-            lease.ttl = ttl
-        lease.expires_at = self.clock.now() + lease.ttl
-        await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
+        renewed = replace(lease, ttl=ttl if ttl is not None else lease.ttl)
+        renewed.expires_at = self.clock.now() + renewed.ttl
+        # The record as renewed goes to disk first; the lease changes only once it is there: a renewal refused
+        # (STORE_FULL) leaves the lease as it was, in memory as on disk.
+        await self.store.commit([Write("leases", lease.id.encode(), renewed.to_record())])
+        if lease.live:
+            lease.ttl, lease.expires_at = renewed.ttl, renewed.expires_at
         return lease
 
     async def register_group(self, lease_id: str, caller: Caller, token: str | None, pgid: int) -> Lease:
@@ -988,11 +993,11 @@ class Broker:
         lease = self.leases.get(lease_id)
         if lease is not None and lease.live:  # not one whose release is on its way to disk
             writes = self._end(lease, "released", f"holder pid {lease.holder.pid} exited")
-            self._spawn(self._commit_quietly(writes))
+            self._spawn(self._commit_quietly(self.store.commit(writes)))  # handed over now: events in seq order
 
-    async def _commit_quietly(self, writes: list[Write]) -> None:
+    async def _commit_quietly(self, commit: asyncio.Future[None]) -> None:
         with contextlib.suppress(BrokerError):
-            await self.store.commit(writes)
+            await commit
 
     def sweep(self) -> None:
         """Expire every lease whose expiry has passed."""
@@ -1001,7 +1006,7 @@ class Broker:
         for lease in [x for x in self.leases.values() if x.expires_at <= now and x.live]:
             writes += self._end(lease, "expired", f"not renewed before its expiry {rfc3339(lease.expires_at)}")
         if writes:
-            self._spawn(self._commit_quietly(writes))
+            self._spawn(self._commit_quietly(self.store.commit(writes)))  # handed over now: events in seq order
 
     async def _expiry_loop(self) -> None:
         while True:

@@ -186,6 +186,31 @@ async def test_waiting_requests_are_granted_in_class_order(make_node: Callable[.
         await background
 
 
+async def test_events_reach_the_writer_in_the_order_of_their_seqs_so_a_follower_misses_none(make_node: Callable[..., Any]) -> None:
+    """A follower reads events after the last seq it saw: one handed to the disk after a higher seq (a waiter's grant,
+    an expiry, a holder's exit) would be passed over for good."""
+    node = await make_node(default_ttl=5.0)
+    handed: list[int] = []
+    commit, submit = node.broker.store.commit, node.broker.store.submit
+
+    def seqs(writes: list[Write]) -> None:
+        handed.extend(int.from_bytes(w.key, "big") for w in writes if w.table == "events")
+
+    node.broker.store.commit = lambda writes, *a, **k: (seqs(writes), commit(writes, *a, **k))[1]  # type: ignore[method-assign]
+    node.broker.store.submit = lambda writes: (seqs(writes), submit(writes))[1]  # type: ignore[method-assign]
+    held, token = await node.ask(gpu_memory="20GiB")
+    waiting = asyncio.create_task(node.ask(gpu_memory="15GiB", wait="1m"))
+    await settle()
+    await node.broker.release(held["id"], TCP, token)  # the waiter is granted on the way...
+    node.broker.record_event("mesh.keys", "an event from the mesh at that moment")  # ...and another event comes at once
+    await asyncio.wait_for(waiting, 5)
+    node.clock.advance(10)
+    node.broker.sweep()  # an expiry, and again another event at once
+    node.broker.record_event("mesh.keys", "and another")
+    await node.events()
+    assert handed == sorted(handed), handed
+
+
 async def test_the_seventeenth_waiting_request_of_a_class_gets_queue_full(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     await node.ask(gpu_memory="20GiB")
@@ -328,6 +353,27 @@ async def test_cpu_and_memory_beyond_what_is_left_are_refused_with_figures(make_
     assert f"{cores} leased" in error.message
     too_many = await node.refused(cpu_cores=cores + 1)
     assert too_many.code is FailureCode.CAPABILITY_UNAVAILABLE
+
+
+async def test_a_renewal_the_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    lease, token = await node.ask(gpu_memory="1GiB", ttl="4s")
+    commit = node.broker.store.commit
+
+    def full(writes: list[Write], *args: Any, **kwargs: Any) -> asyncio.Future[None]:
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        refused.set_exception(StoreFull("the state store is full (1.0 MiB); nothing was changed", {}))
+        return refused
+
+    node.broker.store.commit = full  # type: ignore[method-assign]
+    with pytest.raises(StoreFull):
+        await node.broker.renew(lease["id"], TCP, token, 3600.0)
+    node.broker.store.commit = commit  # type: ignore[method-assign]
+    kept = node.broker.get(lease["id"])
+    assert (kept["ttl"], kept["expires_at"]) == (4.0, lease["expires_at"])  # "nothing was changed", in memory too
+    node.clock.advance(5)
+    node.broker.sweep()
+    assert node.broker.get(lease["id"])["state"] == "expired"
 
 
 async def test_epochs_only_grow_across_restarts(make_node: Callable[..., Any]) -> None:
