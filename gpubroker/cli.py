@@ -483,6 +483,8 @@ def cmd_leases(args: argparse.Namespace) -> int:
     if not leases:
         print("no leases")
         return 0
+    if len(leases) == args.limit:  # the API gives at most --limit: there may be more
+        print(f"gpubroker: the first {args.limit} leases are shown; there may be more: give --limit", file=sys.stderr)
     print(f"{'ID':16} {'STATE':9} {'CLASS':12} {'HOLDER':20} {'GPUS':24} EXPIRES / REASON")
     for lease in leases:
         gpus = ",".join(f"{g['index']}:{gib(g['bytes'])}" for g in lease.get("gpus", [])) or "-"

@@ -141,6 +141,14 @@ class Client:
             connection.request(method, path, body=payload, headers=sent)
             response = connection.getresponse()
             raw = response.read()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as error:
+            # It was listening, and went away with the request: a change asked for may have been made.
+            raise ClientError(
+                0,
+                "UNREACHABLE",
+                f"the broker at {self.endpoint.url} went away while it handled {method} {path.partition('?')[0]} ({error}); "
+                "what it asked may or may not have been done: look (`gpubroker leases`, `gpubroker events`) before asking again",
+            ) from None
         except OSError as error:
             raise ClientError(0, "UNREACHABLE", f"no broker answers at {self.endpoint.url} ({error}){self._hint()}") from None
         finally:

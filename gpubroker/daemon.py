@@ -364,6 +364,12 @@ def config_warnings(config: Config, broker: Broker) -> list[str]:
                 pwd.getpwnam(stamp.user)
             except KeyError:
                 warnings.append(f"[[stamp]] user {stamp.user!r} is no user of this machine: that stamp never applies")
+    history = 2 * (config.leases_kept * 1024 + config.events_kept * 512)  # what the kept history takes, about, and room to rewrite it
+    if config.store_size < history:
+        warnings.append(
+            f"store_size ({config.store_size / 2**20:.1f} MiB) may be filled by the history it keeps (leases_kept {config.leases_kept}, "
+            f"events_kept {config.events_kept}) before any is dropped: give it {history / 2**20:.0f} MiB or more, or keep less"
+        )
     totals = [reading.total for reading in broker.readings]
     if totals and all(config.reserve >= total for total in totals):
         warnings.append(f"reserve ({gib(config.reserve)} GiB) is as large as every GPU: no GPU memory can be leased")

@@ -360,12 +360,14 @@ def test_the_log_says_when_the_gpus_cannot_be_read_and_when_they_can_again_and_w
 
 def test_settings_that_cannot_do_what_they_say_are_warned_of_at_start(broker_process: type[BrokerProcess], tmp_path: Path) -> None:
     config = tmp_path / "gpubroker.toml"
-    config.write_text('reserve = "30GiB"\n[[stamp]]\npriority = "production"\nuser = "no-such-user-here"\n')
+    config.write_text('reserve = "30GiB"\nstore_size = "1MiB"\n[[stamp]]\npriority = "production"\nuser = "no-such-user-here"\n')
     broker = broker_process("1x24GiB", extra=["--config", str(config)]).start()
-    wait_for(lambda: sum("gpubroker: warning:" in line for line in broker.output) == 2, timeout=5)
+    wait_for(lambda: sum("gpubroker: warning:" in line for line in broker.output) == 3, timeout=5)
     warned = [line for line in broker.output if "gpubroker: warning:" in line]
     assert warned == [
         "gpubroker: warning: [[stamp]] user 'no-such-user-here' is no user of this machine: that stamp never applies\n",
+        "gpubroker: warning: store_size (1.0 MiB) may be filled by the history it keeps (leases_kept 1000, events_kept 10000) "
+        "before any is dropped: give it 12 MiB or more, or keep less\n",
         "gpubroker: warning: reserve (30.0 GiB) is as large as every GPU: no GPU memory can be leased\n",
     ]
 

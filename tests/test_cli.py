@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -128,3 +130,29 @@ def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> No
     local.token = "SECRET-API-TOKEN"
     with pytest.raises(ClientError, match="UNREACHABLE"):  # on this machine it may go: it is tried
         local.call("GET", "/v1/node", timeout=2)
+
+
+def test_a_broker_that_goes_away_with_a_request_is_not_said_to_be_missing(tmp_path: Path) -> None:
+    """It was there and took the request: what it was asked may have been done (a grant on disk), so the user is told
+    to look before asking again, not to start a broker."""
+    path = tmp_path / "api.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+
+    def take_and_vanish() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.close()
+
+    taker = threading.Thread(target=take_and_vanish)
+    taker.start()
+    try:
+        with pytest.raises(ClientError) as gone:
+            Client(Endpoint(f"unix:{path}")).call("POST", "/v1/leases", {"gpu_memory": "1GiB"})
+    finally:
+        taker.join(5)
+        server.close()
+    assert "went away while it handled POST /v1/leases" in gone.value.message
+    assert "look (`gpubroker leases`, `gpubroker events`) before asking again" in gone.value.message
+    assert "start one" not in gone.value.message

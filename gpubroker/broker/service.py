@@ -861,7 +861,11 @@ class Broker:
         if lease is None and lease_id in self.ended:
             lease = self.ended[lease_id][1]
         if lease is None:
-            raise NotFound(f"no lease {lease_id!r} on node {self.config.name}", {"lease": lease_id})
+            raise NotFound(
+                f"no lease {lease_id!r} on node {self.config.name} (of ended leases, the newest {self.config.leases_kept} "
+                "are kept: leases_kept)",
+                {"lease": lease_id},
+            )
         return lease
 
     def find_waiter(self, lease_id: str) -> Waiter | None:

@@ -69,6 +69,8 @@ class Store:
         path.mkdir(parents=True, exist_ok=True)
         # sync and metasync: every acknowledged commit survives kill -9 and power loss.
         self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
+        self._path = path
+        self._said: str | None = None  # what the log last said of failing writes
         self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._pack = msgpack.Packer().pack  # the writer thread's own: one packer for every value it writes
@@ -193,16 +195,35 @@ class Store:
                 # The commit below syncs without the GIL: the loop can work meanwhile (one wake-up for them all).
                 _call_on_loops([(batch.loop, batch.while_syncing) for batch in batches if batch.while_syncing is not None])
             self.commits += 1
+            self._failing(None)
             return None
         except lmdb.MapFullError:
-            return StoreFull(
-                f"the state store is full ({self._env.info()['map_size'] / 2**20:.1f} MiB); nothing was changed. "
-                "Raise store_size or release leases",
-                {"store_size": self._env.info()["map_size"]},
+            size = self._env.info()["map_size"]
+            return self._failing(
+                StoreFull(
+                    f"the state store is full ({size / 2**20:.1f} MiB); nothing was changed. Restart the broker with a larger "
+                    "store_size (its history, events_kept and leases_kept, fills it too), or release leases",
+                    {"store_size": size},
+                )
             )
         except Exception as error:  # a disk fault: the writes did not happen, the callers hear so,
             # and the writer lives on for the next batch.
-            return StoreFull(f"the state store could not be written: {type(error).__name__}: {error}", {})
+            full = isinstance(error, lmdb.DiskError) and "No space left" in str(error)
+            advice = f"; free space on the disk of {self._path}" if full else f" (in {self._path})"
+            return self._failing(
+                StoreFull(
+                    f"the state store could not be written: {type(error).__name__}: {error}{advice}; nothing was changed",
+                    {"state_dir": str(self._path)},
+                )
+            )
+
+    def _failing(self, problem: StoreFull | None) -> StoreFull | None:
+        """The log says when writes start failing, and for what, and when they work again: once, not per request."""
+        said = None if problem is None else problem.message.partition(";")[0]
+        if said != self._said:
+            log_line(said if said is not None else "the state store can be written again")
+            self._said = said
+        return problem
 
     def _prune_events(self, txn: lmdb.Transaction, db: Any, seq: int) -> None:
         """The log is bounded: every PRUNE_EVERY events, the oldest beyond events_kept go, together.

@@ -92,3 +92,21 @@ async def test_the_event_log_keeps_the_newest_events(tmp_path: Path, events_kept
     assert kept[-1] == 3 * PRUNE_EVERY
     assert kept == list(range(kept[0], kept[-1] + 1))
     assert events_kept <= len(kept) < events_kept + PRUNE_EVERY
+
+
+async def test_a_full_store_says_what_to_do_and_the_log_says_so_once_and_when_it_is_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = Store(tmp_path, 1 * 2**20)
+    store.start()
+    try:
+        big = [Write("meta", f"big{i}".encode(), {"pad": "x" * 200_000}) for i in range(8)]  # more than 1 MiB
+        for _ in range(3):
+            with pytest.raises(StoreFull) as full:
+                await store.commit(big)
+        assert "Restart the broker with a larger store_size" in full.value.message
+        await store.commit(_put(1))  # a small write still fits
+    finally:
+        store.stop()
+    logged = capsys.readouterr().err.splitlines()
+    assert logged == ["gpubroker: the state store is full (1.0 MiB)", "gpubroker: the state store can be written again"]
