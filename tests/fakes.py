@@ -11,15 +11,22 @@ GIB = 2**30
 
 @dataclass
 class FakeClock:
-    """Time stands still until the test moves it."""
+    """Time stands still until the test moves it: `advance` moves both clocks, `step` the wall clock alone (as NTP)."""
 
     t: float = 1_800_000_000.0
+    wall: float = 0.0  # how far the wall clock was stepped from the elapsed one
 
     def now(self) -> float:
+        return self.t + self.wall
+
+    def elapsed(self) -> float:
         return self.t
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
+
+    def step(self, seconds: float) -> None:
+        self.wall += seconds
 
 
 @dataclass

@@ -35,12 +35,17 @@ RANK = {name: rank for rank, name in enumerate(CLASSES)}
 
 
 class Clock(Protocol):
-    def now(self) -> float: ...
+    def now(self) -> float: ...  # the wall clock: what times are shown and stored as
+
+    def elapsed(self) -> float: ...  # a clock that only moves forward at one pace: what a lease's TTL is measured on
 
 
 class SystemClock:
     def now(self) -> float:
         return time.time()
+
+    def elapsed(self) -> float:
+        return time.monotonic()
 
 
 # The kinds of admin, who may act on any lease: one signed in to the web UI, one holding the node's API token,
@@ -185,6 +190,7 @@ class Broker:
         self._watch: holders.HolderWatch | None = None
         self._budgets: list[Budget] | None = None
         self._stale: set[str] = set()  # accelerators (by UUID) whose budget must be computed again
+        self._deadlines: dict[str, float] = {}  # each live lease's expiry on the elapsed clock
         self._on_gpu: dict[str, GpuLeases] = {}  # the live leases by accelerator UUID, kept as they come and go
         self._leased_cores = 0  # what the live leases hold of the host, kept as they come and go
         self._leased_memory = 0
@@ -471,6 +477,10 @@ class Broker:
 
     def _hold(self, lease: Lease) -> None:
         self.leases[lease.id] = lease
+        # Its TTL runs on the elapsed clock: a step of the wall clock (NTP on a box without a real-time clock)
+        # must not end a lease early or keep it past its TTL. Its stored expiry is the wall clock's, for display
+        # and for a restart (while the broker was down, only the wall clock could tell).
+        self._deadlines[lease.id] = self.clock.elapsed() + (lease.expires_at - self.clock.now())
         self._leased_cores += lease.cpu_cores
         self._leased_memory += lease.memory
         for gpu in lease.gpus:
@@ -478,6 +488,7 @@ class Broker:
         self._changed(lease)
 
     def _unhold(self, lease: Lease) -> None:
+        self._deadlines.pop(lease.id, None)
         if self.leases.pop(lease.id, None) is not None:
             self._leased_cores -= lease.cpu_cores
             self._leased_memory -= lease.memory
@@ -910,6 +921,7 @@ class Broker:
         await self.store.commit([Write("leases", lease.id.encode(), renewed.to_record())])
         if lease.live:
             lease.ttl, lease.expires_at = renewed.ttl, renewed.expires_at
+            self._deadlines[lease.id] = self.clock.elapsed() + renewed.ttl
         return lease
 
     async def register_group(self, lease_id: str, caller: Caller, token: str | None, pgid: int) -> Lease:
@@ -1004,10 +1016,10 @@ class Broker:
             await commit
 
     def sweep(self) -> None:
-        """Expire every lease whose expiry has passed."""
-        now = self.clock.now()
+        """Expire every lease whose TTL has run out (on the elapsed clock)."""
         writes: list[Write] = []
-        for lease in [x for x in self.leases.values() if x.expires_at <= now and x.live]:
+        elapsed = self.clock.elapsed()
+        for lease in [x for x in self.leases.values() if self._deadlines.get(x.id, 0.0) <= elapsed and x.live]:
             writes += self._end(lease, "expired", f"not renewed before its expiry {rfc3339(lease.expires_at)}")
         if writes:
             self._spawn(self._commit_quietly(self.store.commit(writes)))  # handed over now: events in seq order

@@ -376,6 +376,25 @@ async def test_a_renewal_the_store_refuses_leaves_the_lease_as_it_was(make_node:
     assert node.broker.get(lease["id"])["state"] == "expired"
 
 
+async def test_a_step_of_the_wall_clock_neither_ends_a_lease_early_nor_keeps_it_past_its_ttl(make_node: Callable[..., Any]) -> None:
+    """NTP on an edge box without a real-time clock steps the wall clock by hours: TTLs are elapsed time."""
+    node = await make_node()
+    early, _ = await node.ask(gpu_memory="1GiB", ttl="10m")
+    node.clock.step(3600)  # an hour forward
+    node.broker.sweep()
+    assert node.broker.get(early["id"])["state"] == "granted"  # 0 s of its 10 min have passed
+    await node.sample()  # the readings are taken again (every sample_interval), on the stepped clock
+    late, _ = await node.ask(gpu_memory="1GiB", ttl="5s")
+    node.clock.step(-7200)  # two hours back
+    node.clock.advance(6)
+    node.broker.sweep()
+    assert node.broker.get(late["id"])["state"] == "expired"  # its 5 s have passed, whatever the wall clock says
+    assert node.broker.get(early["id"])["state"] == "granted"
+    node.clock.advance(600)
+    node.broker.sweep()
+    assert node.broker.get(early["id"])["state"] == "expired"
+
+
 async def test_epochs_only_grow_across_restarts(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     first, _ = await node.ask(gpu_memory="1GiB")
