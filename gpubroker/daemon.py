@@ -413,6 +413,9 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
 
     try:
         asyncio.run(main())
+    except BrokerRunning as error:
+        print(f"gpubroker: {error}: stop it first, or give --state another directory for a broker of its own", file=sys.stderr)
+        return 2
     except StartError as error:
         print(f"gpubroker: {error}", file=sys.stderr)
         return 2

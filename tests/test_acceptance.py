@@ -166,6 +166,7 @@ def test_a_second_broker_on_the_same_state_refuses_to_start(broker_process: type
     )  # fmt: skip
     assert second.returncode == 2
     assert "another broker is running on" in second.stderr
+    assert "stop it first, or give --state another directory for a broker of its own" in second.stderr
 
 
 def _up(*args: str) -> subprocess.CompletedProcess[str]:
