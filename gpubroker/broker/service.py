@@ -950,13 +950,20 @@ class Broker:
                 f"process group {pgid} is uid {uids}'s; uid {caller.uid} may register only its own", {"pgid": pgid, "uids": [owner]}
             )
         lease = self._live(lease_id)  # it may have ended while the processes were read
+        before = list(lease.pgids), list(lease.pgid_uids)
         if pgid in lease.pgids:  # registered again: by its owner now (its id may have been reused since)
             lease.pgid_uids[lease.pgids.index(pgid)] = owner
         else:
             lease.pgids.append(pgid)
             lease.pgid_uids.append(owner)  # at its end it is signalled only if still this uid's
         self._changed(lease)  # its processes on its accelerators are now its own
-        await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
+        try:
+            await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
+        except BrokerError:  # refused (STORE_FULL): "nothing was changed", in memory either
+            if lease.live:
+                lease.pgids, lease.pgid_uids = before
+                self._changed(lease)
+            raise
         return lease
 
     async def release(self, lease_id: str, caller: Caller, token: str | None) -> Lease:

@@ -368,6 +368,14 @@ async def test_a_renewal_the_store_refuses_leaves_the_lease_as_it_was(make_node:
     node.broker.store.commit = full  # type: ignore[method-assign]
     with pytest.raises(StoreFull):
         await node.broker.renew(lease["id"], TCP, token, 3600.0)
+    work = subprocess.Popen(["sleep", "30"], process_group=0)
+    try:
+        with pytest.raises(StoreFull):  # nor is a process group registered that the store did not take
+            await node.broker.register_group(lease["id"], Caller("unix", uid=os.getuid(), pid=None), token, work.pid)
+    finally:
+        work.kill()
+        work.wait()
+    assert node.broker.leases[lease["id"]].pgids == []
     node.broker.store.commit = commit  # type: ignore[method-assign]
     kept = node.broker.get(lease["id"])
     assert (kept["ttl"], kept["expires_at"]) == (4.0, lease["expires_at"])  # "nothing was changed", in memory too
