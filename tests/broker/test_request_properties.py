@@ -14,7 +14,7 @@ from gpubroker.broker.request import BINDS, FIELDS, MAX_CORES, MAX_GPUS, MAX_LAB
 from gpubroker.config import CLASSES
 from gpubroker.errors import FailureCode, InvalidRequest
 from gpubroker.ui.openapi import OPENAPI
-from gpubroker.units import UnitError, parse_duration, parse_size, parse_time
+from gpubroker.units import CONTROL, UnitError, parse_duration, parse_size, parse_time
 
 SCHEMA = OPENAPI["components"]["schemas"]["LeaseRequest"]
 VALID = jsonschema_rs.Draft4Validator(SCHEMA, validate_formats=True)
@@ -69,7 +69,8 @@ def _seconds(value: Any) -> float | None:
         return None
 
 
-PRINTABLE = st.characters(exclude_categories=("Cc", "Cs"))  # what names and labels may hold: no control character
+# What names and labels may hold: no control character, nor one that reorders or hides the text around it.
+PRINTABLE = st.characters(exclude_categories=("Cc", "Cs")).filter(lambda c: not CONTROL.search(c))
 
 
 def _text(value: Any, empty: bool = False) -> bool:
