@@ -537,6 +537,13 @@ def cmd_events(args: argparse.Namespace) -> int:
         if waiting:
             print("gpubroker: the broker answers again", file=sys.stderr, flush=True)
             waiting = False
+        if after > 0 and answer.get("dropped"):  # asked from a point (or fell behind) past what the broker keeps
+            first = answer["events"][0]["seq"]
+            print(
+                f"gpubroker: {answer['dropped']} events after {after} are no longer kept (events_kept): from {first} on",
+                file=sys.stderr,
+                flush=True,
+            )
         for event in answer["events"]:
             if args.json and not args.follow:
                 listed.append(event)

@@ -398,3 +398,25 @@ def test_a_broker_whose_log_nobody_reads_any_more_goes_on_and_still_stops_on_sig
         if broker.poll() is None:
             broker.kill()
             broker.wait(10)
+
+
+def test_events_asked_for_from_a_point_no_longer_kept_say_how_many_were_dropped(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    config = tmp_path / "gpubroker.toml"
+    config.write_text("events_kept = 100\n")
+    broker = broker_process("1x24GiB", extra=["--config", str(config)]).start()
+    client = broker.client()
+    for _ in range(120):
+        lease = client.call("POST", "/v1/leases", {"cpu_cores": 1, "bind": "none"})["lease"]
+        client.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})
+    answer = client.call("GET", "/v1/events", query={"after": 3, "limit": 10})
+    first = answer["events"][0]["seq"]
+    assert first > 4
+    assert answer["dropped"] == first - 4
+    assert client.call("GET", "/v1/events", query={"after": first, "limit": 10})["dropped"] == 0
+    listed = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "events", "--after", "3"], env=broker.env, capture_output=True, text=True, timeout=30
+    )
+    assert listed.returncode == 0
+    assert f"gpubroker: {first - 4} events after 3 are no longer kept (events_kept): from {first} on" in listed.stderr

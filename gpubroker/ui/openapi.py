@@ -214,7 +214,15 @@ OPENAPI: dict[str, Any] = {
                         {
                             "type": "object",
                             "required": ["events", "next"],
-                            "properties": {"events": {"type": "array", "items": _ref("Event")}, "next": {"type": "integer"}},
+                            "properties": {
+                                "events": {"type": "array", "items": _ref("Event")},
+                                "next": {"type": "integer"},
+                                "dropped": {
+                                    "type": "integer",
+                                    "minimum": 0,
+                                    "description": "events after `after` no longer kept (events_kept)",
+                                },
+                            },
                         },
                         "events",
                     ),
