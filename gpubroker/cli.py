@@ -275,12 +275,7 @@ class _Terminal:
     @property
     def ours(self) -> bool:
         """Whether this process's group has the terminal (the job is in the foreground)."""
-        if self._fd is None:
-            return False
-        try:
-            return os.tcgetpgrp(self._fd) == self._ours
-        except OSError:
-            return False
+        return self.foreground == self._ours
 
     @property
     def foreground(self) -> int | None:
@@ -302,7 +297,7 @@ class _Terminal:
         self._set(self._ours)
 
     def take_back(self) -> None:
-        self._set(self._ours)
+        self.give_back()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -327,22 +322,19 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     finally:
         os.close(gate[0])
     terminal = _Terminal.open()
-    refused: ClientError | None = None
+    failed: str | None = None  # why CMD never started (its gate closed unopened)
     try:
         client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token)
         terminal.hand_to(child.pid)
         os.write(gate[1], b"go\n")
     except ClientError as error:
-        refused = error
-    except OSError as error:  # the shell waiting at the gate is gone (killed): CMD never started
-        refused = ClientError(0, "NOT_STARTED", f"the shell that starts {command[0]} ended before it could ({error.strerror})")
+        failed = f"CMD's process group could not be registered: {error.code}: {error.message}"
+    except OSError as error:  # the shell waiting at the gate is gone (killed)
+        failed = f"{command[0]} did not start: the shell that starts it ended before it could ({error.strerror})"
     finally:
         os.close(gate[1])
-    if refused is not None:  # CMD never started (its gate closed unopened), and the lease goes with it
-        if refused.code == "NOT_STARTED":
-            print(f"gpubroker: {command[0]} did not start: {refused.message}", file=sys.stderr)
-        else:
-            print(f"gpubroker: CMD's process group could not be registered: {refused.code}: {refused.message}", file=sys.stderr)
+    if failed is not None:  # CMD never started, and the lease goes with it
+        print(f"gpubroker: {failed}", file=sys.stderr)
         terminal.take_back()
         child.wait()
         with contextlib.suppress(ClientError):

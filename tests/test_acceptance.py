@@ -28,11 +28,17 @@ used = "{used}"
 """
 
 
+def simulation_file(tmp_path: Path, used: str = "6GiB") -> Path:
+    """The README's simulation file: one 24 GiB GPU, and ollama using `used` of it."""
+    sim = tmp_path / "gpus.toml"
+    sim.write_text(SIMULATION.format(used=used))
+    return sim
+
+
 def test_external_usage_from_the_simulation_file_drives_the_figures_and_the_decisions(
     broker_process: type[BrokerProcess], tmp_path: Path
 ) -> None:
-    sim = tmp_path / "gpus.toml"
-    sim.write_text(SIMULATION.format(used="6GiB"))
+    sim = simulation_file(tmp_path)
     broker = broker_process(str(sim)).start()
     client = broker.client()
 
@@ -346,8 +352,7 @@ def test_the_log_says_when_the_gpus_cannot_be_read_and_when_they_can_again_and_w
     broker_process: type[BrokerProcess], tmp_path: Path
 ) -> None:
     """A service's journal is its standard error: what changes the broker's ability to decide is there, not only in events."""
-    sim = tmp_path / "gpus.toml"
-    sim.write_text(SIMULATION.format(used="6GiB"))
+    sim = simulation_file(tmp_path)
     broker = broker_process(str(sim)).start()
     sim.write_text("[[gpu]]\nmemory = ")
     wait_for(lambda: any("gpubroker: GPUs cannot be read:" in line for line in broker.output), timeout=10)
@@ -375,8 +380,7 @@ def test_settings_that_cannot_do_what_they_say_are_warned_of_at_start(broker_pro
 
 def test_a_broker_whose_log_nobody_reads_any_more_goes_on_and_still_stops_on_sigterm(tmp_path: Path) -> None:
     """`gpubroker up 2>&1 | tee log`, and tee gone: a line the broker cannot write is lost, never the broker."""
-    sim = tmp_path / "gpus.toml"
-    sim.write_text(SIMULATION.format(used="6GiB"))
+    sim = simulation_file(tmp_path)
     sock = tmp_path / "api.sock"
     argv = [sys.executable, "-m", "gpubroker", "up", "--state", str(tmp_path / "state"), "--socket", str(sock)]
     broker = subprocess.Popen(

@@ -222,20 +222,19 @@ class Broker:
         for lease in [x for x in self.leases.values() if x.pgids]:
             writes += await self._check_groups(lease)
         now = self.clock.now()
-        # Leases that had ended before this start: their groups' stop may have been cut short (those that end
-        # below are stopped by their end).
-        ended_before = [lease for _, lease in self.ended.values() if lease.pgids and lease.ended_at is not None]
+        # Leases that had ended shortly before this start: the broker may have stopped while it stopped their groups
+        # (between SIGTERM and SIGKILL), and it finishes the job: work never goes on without its lease. Only recent
+        # ends, since a group id is reused once its group is gone; those that end below are stopped by their end.
+        window = self.config.kill_grace + RESTOP_WITHIN
+        restop = [x for _, x in self.ended.values() if x.pgids and x.ended_at is not None and now - x.ended_at < window]
         for lease in list(self.leases.values()):
             if lease.expires_at <= now:
                 writes += self._end(lease, "expired", "not renewed before its expiry (while the broker was down)")
             elif lease.bind == "caller" and lease.holder.pid is not None:
                 if not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
                     writes += self._end(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
-        for lease in ended_before:
-            # A broker stopped while it stopped a lease's groups (between SIGTERM and SIGKILL) finishes the job:
-            # work never goes on without its lease. Only recent ends: a group id is reused once its group is gone.
-            if lease.ended_at is not None and now - lease.ended_at < self.config.kill_grace + RESTOP_WITHIN:
-                self._spawn(holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), self.config.kill_grace))
+        for lease in restop:
+            self._spawn(holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), self.config.kill_grace))
         writes.append(
             self._event(
                 "broker.started", f"broker {self.config.name} started with {len(self.leases)} live leases", details={"version": __version__}
@@ -357,15 +356,15 @@ class Broker:
         """Take a reading: pressure, over-use and reclaim events, then grant waiters the room that appeared."""
         if host is not None:
             self.host = host
-        said = None
         if error != self.driver_error:
-            said = f"GPUs cannot be read: {error}" if error is not None else "GPUs can be read again"
             if error is not None:
+                said = f"GPUs cannot be read: {error}"
                 self._record(self._event("gpu.driver_error", said, code=FailureCode.DRIVER_ERROR))
             else:
+                said = "GPUs can be read again"
                 self._record(self._event("gpu.driver_ok", said))
-        if said is not None and self._sampled:  # the log says it too (the first reading's state is in the ready line)
-            log_line(said)
+            if self._sampled:  # the log says it too (the first reading's state is in the ready line)
+                log_line(said)
         self._sampled = True
         self.driver_error = error
         self.readings = readings if readings is not None else []

@@ -106,7 +106,7 @@ def _shown(gpu: dict[str, Any], now_at: dict[str, int], taken: set[int]) -> bool
     return gpu.get("uuid") is None or gpu["uuid"] in now_at or gpu["index"] not in taken
 
 
-def _fitting(records: list[dict[str, Any]], room: int) -> list[dict[str, Any]]:
+def _fitting(records: list[Any], room: int) -> list[Any]:
     """The first records whose packed sizes add up to at most `room` bytes."""
     fitting = []
     for record in records:
@@ -119,14 +119,7 @@ def _fitting(records: list[dict[str, Any]], room: int) -> list[dict[str, Any]]:
 
 def fitting_labels(labels: dict[str, str]) -> dict[str, str]:
     """A lease's labels as its node's document lists them: in order of key, as many as LABELS_ROOM holds."""
-    fitting: dict[str, str] = {}
-    room = LABELS_ROOM
-    for key, value in sorted(labels.items()):
-        room -= len(msgpack.packb([key, value]))
-        if room < 0:
-            break
-        fitting[key] = value
-    return fitting
+    return dict(_fitting([[key, value] for key, value in sorted(labels.items())], LABELS_ROOM))
 
 
 def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dict[str, Any] | None:

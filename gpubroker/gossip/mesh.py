@@ -391,9 +391,10 @@ class Mesh:
         alive or suspected (its announcement is on its way), and of each not heard of at all unless it started
         SETTLE_WITHIN ago (those may be down: a cluster of one, for now, chooses for itself); or SETTLE_AT_MOST
         has passed."""
-        timed_out = self.clock() - self._started >= SETTLE_WITHIN
-        if self.clock() - self._started >= SETTLE_AT_MOST:
+        waited = self.clock() - self._started
+        if waited >= SETTLE_AT_MOST:
             return True
+        timed_out = waited >= SETTLE_WITHIN
         for node in self.cluster.members:
             if node == self.node_id or node in self.view.held:
                 continue
@@ -717,10 +718,10 @@ class Mesh:
     def leases_of(self, node: str, limit: int) -> list[dict[str, Any]]:
         """The granted leases the document of the node with id `node` lists (as `listed_leases` reads them); none
         for a node whose document is not held (`resolve_node` turns a name into the id)."""
-        for document in self._documents():
-            if document.node == node:
-                return listed_leases(document.body, document.node)[:limit]
-        return []
+        held = self.view.held.get(node)
+        if held is None or self.cluster.is_removed(node):
+            return []
+        return listed_leases(held.document.body, node)[:limit]
 
     def lease_of(self, lease_id: str) -> dict[str, Any] | None:
         """A lease another node's document lists, as `leases_of` shows it; None if no document lists it (readably)."""
@@ -742,7 +743,7 @@ class Mesh:
                 {"node": owner},
             )
         member = self.membership.member(owner)
-        if member is None or member.state in (MemberState.DEAD, MemberState.LEFT):
+        if member is None or member.state in GONE:
             raise self._owner_gone(lease_id, owner, member)
         # Only the owner may answer: the address it had may now be another member's, which must not release in its name.
         answer = await self._call(member.addr, {"op": "release", "lease": lease_id, "token": token, "admin": admin}, expect=owner)
@@ -890,7 +891,9 @@ class Mesh:
             if held is None or member.state is not MemberState.ALIVE:
                 continue
             body = held.document.body
-            roomy = [g for g in body.get("gpus", []) if isinstance(g, dict) and _has_room(g, request, body, held.document.node)]
+            # The indexes of the GPUs its leases are on: an exclusive request fits only on one with none.
+            leased = {g["index"] for lease in listed_leases(body, member.node) for g in lease["gpus"]} if request.exclusive else set()
+            roomy = [g for g in body.get("gpus", []) if isinstance(g, dict) and _has_room(g, request, leased)]
             if len(roomy) >= max(1, request.gpus):
                 found.append(
                     {
@@ -938,15 +941,16 @@ class Mesh:
         return {"nodes": nodes, "coordinator": coordinator, "health": health, "removed": removed}
 
 
-def _has_room(gpu: dict[str, Any], request: LeaseRequest, body: dict[str, Any], node: str) -> bool:
-    """Whether a GPU of another node's document shows room for `request`, as that node would decide (decide._room)."""
+def _has_room(gpu: dict[str, Any], request: LeaseRequest, leased: set[int]) -> bool:
+    """Whether a GPU of another node's document shows room for `request`, as that node would decide (decide._room);
+    `leased`: the indexes of that node's GPUs its document lists leases on."""
     figures = gpu.get("figures")
     if not isinstance(figures, dict):
         return False
     if not request.exclusive:
         return bool(figures.get("schedulable", 0) >= request.gpu_memory)
     # Exclusive: the whole GPU, so none of its memory may be leased, whatever is still schedulable beside a lease.
-    if figures.get("leased", 0) or any(g["index"] == gpu.get("index") for lease in listed_leases(body, node) for g in lease["gpus"]):
+    if figures.get("leased", 0) or gpu.get("index") in leased:
         return False
     room = figures.get("schedulable", 0)  # with nothing leased, all the room there is (published rounded down, never over)
     return bool(room > 0 and room >= request.gpu_memory)
