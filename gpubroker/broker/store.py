@@ -71,6 +71,7 @@ class Store:
         self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
         self._path = path
         self._said: str | None = None  # what the log last said of failing writes
+        self.failures = 0  # transactions the disk refused (full, or a fault), for /metrics: only grows
         self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._pack = msgpack.Packer().pack  # the writer thread's own: one packer for every value it writes
@@ -139,6 +140,11 @@ class Store:
     @property
     def running(self) -> bool:
         return self._thread is not None
+
+    @property
+    def failing(self) -> str | None:
+        """Why the last transaction could not be written, or None when it was (for /healthz)."""
+        return self._said
 
     def submit(self, writes: list[Write]) -> None:
         """Writes that ride the next commit, with nobody waiting on them (events)."""
@@ -220,6 +226,8 @@ class Store:
     def _failing(self, problem: StoreFull | None) -> StoreFull | None:
         """The log says when writes start failing, and for what, and when they work again: once, not per request."""
         said = None if problem is None else problem.message.partition(";")[0]
+        if problem is not None:
+            self.failures += 1
         if said != self._said:
             log_line(said if said is not None else "the state store can be written again")
             self._said = said

@@ -566,7 +566,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    return web.json_response({"ok": True, "node": broker.node_id, "driver_error": broker.driver_error, "stale": broker.stale})
+    return web.json_response(
+        {
+            "ok": True,
+            "node": broker.node_id,
+            "driver_error": broker.driver_error,
+            "stale": broker.stale,
+            "store_error": broker.store.failing,
+        }
+    )
 
 
 async def openapi(request: web.Request) -> web.Response:

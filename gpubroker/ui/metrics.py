@@ -67,6 +67,11 @@ class _BrokerCollector(Collector):
         up = GaugeMetricFamily("gpubroker_driver_ok", "1 when the GPUs can be read")
         up.add_metric([], 0.0 if broker.driver_error else 1.0)
         yield up
+        store = CounterMetricFamily(
+            "gpubroker_store_write_failures", "transactions the state store could not write (full, or a disk fault)"
+        )
+        store.add_metric([], broker.store.failures)
+        yield store
         stats = broker.stats
         requests = CounterMetricFamily("gpubroker_requests", "lease requests by result code (GRANTED or a failure code)", labels=["code"])
         for code, count in sorted(stats.results.items()):

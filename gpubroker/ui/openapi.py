@@ -251,7 +251,31 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}},
             }
         },
-        "/healthz": {"get": {"operationId": "healthz", "responses": {"200": _json({"type": "object", "required": ["ok"]}, "alive")}}},
+        "/healthz": {
+            "get": {
+                "operationId": "healthz",
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["ok", "node", "driver_error", "stale", "store_error"],
+                            "properties": {
+                                "ok": {"type": "boolean"},
+                                "node": {"type": "string"},
+                                "driver_error": {"type": "string", "nullable": True, "description": "why the GPUs cannot be read"},
+                                "stale": {"type": "boolean", "description": "a GPU's reading is older than `staleness`"},
+                                "store_error": {
+                                    "type": "string",
+                                    "nullable": True,
+                                    "description": "why the state store could not write its last transaction (full, a disk fault)",
+                                },
+                            },
+                        },
+                        "alive",
+                    )
+                },
+            }
+        },
     },
     # Needed only where the broker has a UI password (always beyond loopback): the node's API token, or a signed-in
     # session (with its CSRF token on changes); a caller without either gets 401 UNAUTHORIZED.

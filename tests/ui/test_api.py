@@ -17,9 +17,10 @@ from conftest import BrokerProcess
 from fakes import GIB, FakeClock, FakeGpuProbe
 
 from gpubroker.broker.service import Broker
-from gpubroker.broker.store import Store
+from gpubroker.broker.store import Store, Write
 from gpubroker.client import ClientError
 from gpubroker.config import Config
+from gpubroker.errors import StoreFull
 from gpubroker.gossip.cluster import ClusterState, decode_token
 from gpubroker.gossip.documents import NodeDocument
 from gpubroker.gossip.identity import Identity
@@ -455,6 +456,33 @@ async def test_another_node_is_found_by_its_id_its_admitted_name_or_its_new_name
         matching = sorted([renamed.node_id, namesake.node_id])
         assert (status, error["code"], error["details"]) == (400, "INVALID_REQUEST", {"node": "gpu-box", "matching": matching})
         assert await listed(namesake.node_id) == (200, [])  # its document is not held yet
+    finally:
+        await client.close()
+        await broker.close()
+
+
+async def test_healthz_and_metrics_say_when_the_store_cannot_be_written(tmp_path: Path) -> None:
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower", store_size=2**20)
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker)))
+    await client.start_server()
+
+    async def health() -> tuple[Any, str]:
+        answer = await (await client.get("/healthz")).json()
+        failures = [line for line in (await (await client.get("/metrics")).text()).splitlines() if line.startswith("gpubroker_store_")]
+        return answer["store_error"], failures[0]
+
+    try:
+        assert await health() == (None, "gpubroker_store_write_failures_total 0.0")
+        with pytest.raises(StoreFull):  # more than the 1 MiB the store may grow to
+            await broker.store.commit([Write("meta", f"big{i}".encode(), {"pad": "x" * 200_000}) for i in range(8)])
+        said, failures = await health()
+        assert said == "the state store is full (1.0 MiB)"
+        assert failures == "gpubroker_store_write_failures_total 1.0"
+        await broker.store.commit([Write("meta", b"small", 1)])  # it can be written again: said so, and the count stays
+        assert await health() == (None, "gpubroker_store_write_failures_total 1.0")
     finally:
         await client.close()
         await broker.close()
