@@ -117,7 +117,9 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.
 class Stats:
     """Decisions by result code and how long grants took: plain counts, read by the metrics at scrape time."""
 
-    results: dict[str, int] = field(default_factory=dict)
+    # Every result a request can have, from 0: a series that first appears at 1 is no increase to Prometheus, so an
+    # alert on a rare refusal (the one STORE_FULL of a run) would never see it.
+    results: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("GRANTED", *(c.value for c in FailureCode)), 0))
     grant_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))  # the last is +Inf
     grant_seconds: float = 0.0
 

@@ -20,7 +20,7 @@ from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store, Write
 from gpubroker.client import ClientError
 from gpubroker.config import Config
-from gpubroker.errors import StoreFull
+from gpubroker.errors import FailureCode, StoreFull
 from gpubroker.gossip.cluster import ClusterState, decode_token
 from gpubroker.gossip.documents import NodeDocument
 from gpubroker.gossip.identity import Identity
@@ -122,6 +122,16 @@ def test_metrics_show_the_seven_figures_per_gpu_uuid_and_requests_by_result(brok
     assert 'gpubroker_leases{priority="interactive",state="granted"} 1.0' in text
     assert "gpubroker_grant_latency_seconds_bucket" in text
     assert 'gpubroker_queue_depth{priority="background"} 0.0' in text
+
+
+def test_every_request_result_is_a_series_from_the_start_so_its_first_one_is_an_increase(broker: BrokerProcess) -> None:
+    tcp = broker.client(tcp=True)
+    text = tcp.text("/metrics")
+    for code in ("GRANTED", *FailureCode):  # a series that first appears at 1 is no increase to rate() or increase()
+        assert f'gpubroker_requests_total{{code="{code}"}} 0.0' in text, code
+    with pytest.raises(ClientError):
+        tcp.call("POST", "/v1/leases", {"gpu_memory": "100GiB"})
+    assert 'gpubroker_requests_total{code="CAPABILITY_UNAVAILABLE"} 1.0' in tcp.text("/metrics")
 
 
 def test_the_openapi_document_names_every_endpoint(broker: BrokerProcess) -> None:
