@@ -110,7 +110,8 @@ class _Reclaim:
 
 
 RESTOP_WITHIN = 60.0  # seconds past kill_grace in which a restarted broker stops again the groups of leases that had ended
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0)
+# A grant's latency includes its wait in the queue: from a synced commit's half a millisecond to waits of an hour.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
 
 @dataclass(slots=True)

@@ -81,7 +81,9 @@ class _BrokerCollector(Collector):
         for bound, count in zip((*LATENCY_BUCKETS, float("inf")), stats.grant_buckets, strict=True):
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
-        latency = HistogramMetricFamily("gpubroker_grant_latency_seconds", "time from request to durable grant")
+        latency = HistogramMetricFamily(
+            "gpubroker_grant_latency_seconds", "time from request to durable grant, its wait in the queue included"
+        )
         latency.add_metric([], buckets, sum_value=stats.grant_seconds)
         yield latency
 

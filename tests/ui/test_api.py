@@ -15,6 +15,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import BrokerProcess
 from fakes import GIB, FakeClock, FakeGpuProbe
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store, Write
@@ -28,6 +29,7 @@ from gpubroker.gossip.membership import MemberView
 from gpubroker.gossip.mesh import Mesh, MeshSettings
 from gpubroker.gossip.messages import MemberState
 from gpubroker.ui.api import make_app
+from gpubroker.ui.metrics import Metrics
 
 
 @pytest.fixture
@@ -496,3 +498,20 @@ async def test_healthz_and_metrics_say_when_the_store_cannot_be_written(tmp_path
     finally:
         await client.close()
         await broker.close()
+
+
+async def test_grant_latency_tells_grants_apart_from_under_a_millisecond_to_waits_of_many_minutes(tmp_path: Path) -> None:
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    try:
+        waits = (0.0004, 0.003, 2.0, 45.0, 240.0, 1200.0)  # a grant at once; a wait of seconds, a minute, minutes
+        for seconds in waits:
+            broker.stats.record("GRANTED", seconds)
+        text = Metrics(broker).render().decode()
+    finally:
+        await broker.close()
+    (latency,) = [family for family in text_string_to_metric_families(text) if family.name == "gpubroker_grant_latency_seconds"]
+    finite = [sample.value for sample in latency.samples if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf"]
+    assert [finite.count(float(n)) > 0 for n in range(1, len(waits) + 1)] == [True] * len(waits)  # each in a bucket of its own
