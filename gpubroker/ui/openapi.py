@@ -79,7 +79,8 @@ OPENAPI: dict[str, Any] = {
                 "operationId": "releaseLease",
                 "summary": "release a lease (its Unix user, root, or its token)",
                 "parameters": [_ID, _TOKEN],
-                "responses": {"200": _json(_LEASE_ANSWER, "released"), **_error_responses(403, 404, 409, 507)},
+                # 504: another node's lease, whose node did not answer the forwarded release.
+                "responses": {"200": _json(_LEASE_ANSWER, "released"), **_error_responses(403, 404, 409, 504, 507)},
             },
         },
         "/v1/leases/{id}/renew": {
@@ -395,3 +396,9 @@ OPENAPI: dict[str, Any] = {
         },
     },
 }
+
+# Any operation may answer these: 401 where a UI password is set and the caller has neither a session nor the API
+# token, 403 on TCP to a Host that is not this broker's (against DNS rebinding).
+for _item in OPENAPI["paths"].values():
+    for _operation in _item.values():
+        _operation["responses"] = dict(sorted({**_error_responses(401, 403), **_operation["responses"]}.items()))

@@ -1,0 +1,224 @@
+"""Every answer of a real broker held to what /openapi.json says of it: the status listed for its operation, its
+content type, and its body against the schema (the subset of JSON Schema the document uses)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from aiohttp.test_utils import TestClient, TestServer
+from conftest import BrokerProcess
+from fakes import GIB, FakeClock, FakeGpuProbe
+
+from gpubroker.broker.service import Broker
+from gpubroker.broker.store import Store
+from gpubroker.config import Config
+from gpubroker.ui.api import make_app
+from gpubroker.ui.auth import Guard, Sessions, hash_password
+from gpubroker.ui.openapi import OPENAPI
+
+TYPES: dict[str, type | tuple[type, ...]] = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "boolean": bool,
+    "integer": int,
+    "number": (int, float),
+}
+
+
+def schema_errors(schema: dict[str, Any], value: Any, where: str = "$") -> list[str]:
+    """Where `value` breaks `schema`: type (and nullable), enum, required, properties, additionalProperties, items,
+    oneOf, minimum, maximum, minLength, pattern and $ref, as the document uses them."""
+    while "$ref" in schema:
+        schema = OPENAPI["components"]["schemas"][schema["$ref"].rpartition("/")[2]]
+    if value is None:
+        typed = any(word in schema for word in ("type", "oneOf", "enum", "properties"))
+        return [f"{where}: null, which it may not be"] if typed and not schema.get("nullable") else []
+    found: list[str] = []
+    if "oneOf" in schema and sum(not schema_errors(choice, value, where) for choice in schema["oneOf"]) != 1:
+        found.append(f"{where}: {value!r} matches not exactly one of oneOf")
+    kind = schema.get("type")
+    if kind is not None and (not isinstance(value, TYPES[kind]) or (isinstance(value, bool) and kind in ("integer", "number"))):
+        return [*found, f"{where}: {value!r} is not {kind}"]
+    if "enum" in schema and value not in schema["enum"]:
+        found.append(f"{where}: {value!r} is not one of {schema['enum']}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value < schema.get("minimum", value) or value > schema.get("maximum", value):
+            found.append(f"{where}: {value!r} is out of range")
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0) or ("pattern" in schema and not re.search(schema["pattern"], value)):
+            found.append(f"{where}: {value!r} is not of the form asked")
+    if isinstance(value, dict):
+        found += [f"{where}: {name} is missing" for name in schema.get("required", []) if name not in value]
+        properties, extra = schema.get("properties", {}), schema.get("additionalProperties", True)
+        for name, item in value.items():
+            if name in properties:
+                found += schema_errors(properties[name], item, f"{where}.{name}")
+            elif extra is False:
+                found.append(f"{where}: {name} is not a property it may have")
+            elif isinstance(extra, dict):
+                found += schema_errors(extra, item, f"{where}.{name}")
+    if isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            found += schema_errors(schema["items"], item, f"{where}[{index}]")
+    return found
+
+
+def operation(method: str, path: str) -> tuple[str, dict[str, Any]]:
+    """The document's operation that serves this method and path (a concrete one, with ids filled in)."""
+    for template, item in OPENAPI["paths"].items():
+        if re.fullmatch(re.sub(r"\{[^}]+\}", "[^/]+", template), path) and method.lower() in item:
+            return template, item[method.lower()]
+    raise AssertionError(f"/openapi.json has no operation {method} {path}")
+
+
+def contract_errors(method: str, path: str, status: int, content_type: str, body: bytes) -> list[str]:
+    """How one answer departs from what the document says of its operation; empty when it keeps to it."""
+    template, op = operation(method, path.partition("?")[0])
+    what = f"{method} {template} answered {status}"
+    response = op["responses"].get(str(status)) or op["responses"].get("default")
+    if response is None:
+        return [f"{what}, which it does not list (it lists {', '.join(sorted(op['responses']))}): {body[:300]!r}"]
+    media = content_type.partition(";")[0].strip()
+    if media not in response.get("content", {}):
+        return [f"{what} as {media}, not as {', '.join(response.get('content', {}))}"]
+    if media != "application/json":
+        return []
+    import json
+
+    return [f"{what}: {problem}" for problem in schema_errors(response["content"][media]["schema"], json.loads(body))]
+
+
+class Api:
+    """A broker over TCP whose every answer is checked against the document as it comes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.session = requests.Session()
+        self.broken: list[str] = []
+        self.answered: set[tuple[str, str, int]] = set()
+
+    def __call__(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None) -> requests.Response:
+        answer = self.session.request(method, self.url + path, json=body, headers=headers, timeout=15)
+        self.broken += contract_errors(method, path, answer.status_code, answer.headers.get("Content-Type", ""), answer.content)
+        self.answered.add((method, operation(method, path.partition("?")[0])[0], answer.status_code))
+        return answer
+
+
+@pytest.fixture
+def api(broker_process: type[BrokerProcess], tmp_path: Path) -> Api:
+    config = tmp_path / "gpubroker.toml"
+    config.write_text("queue_limit = 1\n")
+    return Api(broker_process("2x24GiB", ["--config", str(config)]).start().url)
+
+
+def test_every_answer_of_a_lease_through_its_life_is_as_the_document_says(api: Api) -> None:
+    granted = api("POST", "/v1/leases", {"gpu_memory": "20GiB", "gpu": 0, "holder": {"name": "train"}, "labels": {"a": "b"}})
+    assert granted.status_code == 201
+    lease = granted.json()["lease"]
+    token = {"X-Lease-Token": lease["token"]}
+    api("GET", f"/v1/leases/{lease['id']}")
+    api("GET", "/v1/leases?state=granted")
+    api("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": "10m"}, headers=token)
+    api("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": "forever"}, headers=token)
+    api("POST", f"/v1/leases/{lease['id']}/renew", headers={"X-Lease-Token": "not-its-token"})
+    api("POST", "/v1/leases/l-000000000000/renew", headers=token)
+    api("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": 12345}, headers=token)  # never over TCP
+    api("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": "x"}, headers=token)
+    for refused in (
+        {"gpu_memory": "20GiB", "gpu": 0},  # no room now
+        {"gpu_memory": "100GiB"},  # no room ever
+        {"gpu_memory": "1GiB", "deadline": "2000-01-01T00:00:00Z"},
+        {"gpu_memory": "20GiB", "gpu": 0, "wait": "100ms"},
+        {"gpu_memory": "lots"},
+        {"cpu_cores": 1, "labels": {"x": "y" * 100_000}},  # larger than max_body
+    ):
+        assert api("POST", "/v1/leases", refused).status_code >= 400, refused
+    # A request that waits for GPU 0, shown as queued while it does; the next of its class finds the queue full.
+    waited: dict[str, requests.Response] = {}
+    waiter = threading.Thread(
+        target=lambda: waited.update(
+            answer=api("POST", "/v1/leases", {"gpu_memory": "20GiB", "gpu": 0, "wait": "3s", "priority": "background"})
+        )
+    )
+    waiter.start()
+    try:
+        queued = []
+        for _ in range(100):
+            queued = [x for x in api("GET", "/v1/leases").json()["leases"] if x["state"] == "queued"]
+            if queued:
+                break
+            time.sleep(0.05)
+        assert queued
+        api("GET", f"/v1/leases/{queued[0]['id']}")
+        api("POST", f"/v1/leases/{queued[0]['id']}/renew")
+        assert api("POST", "/v1/leases", {"gpu_memory": "20GiB", "gpu": 0, "wait": "20s", "priority": "background"}).status_code == 429
+        api("GET", "/v1/node")
+        api("GET", "/metrics")
+        api("DELETE", f"/v1/leases/{queued[0]['id']}")  # not its requester's to cancel on TCP: its wait runs out
+    finally:
+        waiter.join(30)
+    assert waited["answer"].status_code == 409
+    assert api("DELETE", f"/v1/leases/{lease['id']}", headers=token).status_code == 200
+    api("DELETE", f"/v1/leases/{lease['id']}", headers=token)  # released already
+    api("DELETE", "/v1/leases/l-000000000000")
+    short = api("POST", "/v1/leases", {"cpu_cores": 1, "ttl": 1}).json()["lease"]
+    for _ in range(100):
+        if api("GET", f"/v1/leases/{short['id']}").json()["lease"]["state"] == "expired":
+            break
+        time.sleep(0.05)
+    api("GET", "/v1/leases?state=expired")
+    api("GET", "/v1/leases?state=lost")
+    api("GET", "/v1/leases?node=elsewhere")
+    api("GET", "/v1/events?limit=1000")
+    api("GET", "/v1/events?after=x")
+    for method, path in (("GET", "/v1/node"), ("GET", "/v1/cluster"), ("GET", "/healthz"), ("GET", "/metrics")):
+        api(method, path)
+    for method, path in (  # a broker in no cluster; and on TCP no one changes the cluster
+        ("GET", "/v1/cluster/nodes"),
+        ("GET", "/v1/cluster/keys"),
+        ("POST", "/v1/cluster/keys"),
+        ("POST", "/v1/cluster/invites"),
+        ("POST", "/v1/cluster/nodes/n-x/approve"),
+        ("DELETE", "/v1/cluster/nodes/n-x"),
+    ):
+        api(method, path)
+    assert api.broken == []
+    codes = {status for _, _, status in api.answered}
+    assert {200, 201, 400, 403, 404, 409, 413, 429} <= codes  # the drive went where it meant to
+
+
+def test_an_answer_to_a_foreign_host_is_one_every_operation_lists(api: Api) -> None:
+    for template, item in OPENAPI["paths"].items():
+        for method in item:
+            answer = api(method.upper(), template.replace("{id}", "l-000000000000"), headers={"Host": "rebound.example"})
+            assert answer.status_code == 403, (method, template)
+    assert api.broken == []
+
+
+async def test_an_answer_to_a_caller_not_signed_in_is_one_every_operation_lists(tmp_path: Path) -> None:
+    clock = FakeClock()
+    config = Config(state_dir=tmp_path / "state", name="tower", ui_password_hash=hash_password("a long password", n=2**4))
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock, [24 * GIB]), clock)
+    await broker.start()
+    guard = Guard(config.ui_password_hash, "the-api-token", tls=False, sessions=Sessions())
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker, guard=guard)))
+    await client.start_server()
+    broken: list[str] = []
+    try:
+        for template, item in OPENAPI["paths"].items():
+            for method in item:
+                path = template.replace("{id}", "l-000000000000")
+                answer = await client.request(method.upper(), path, headers={"Host": "localhost"})
+                assert answer.status == 401, (method, template)
+                broken += contract_errors(method.upper(), path, answer.status, answer.headers.get("Content-Type", ""), await answer.read())
+    finally:
+        await client.close()
+        await broker.close()
+    assert broken == []
