@@ -506,13 +506,17 @@ class Broker:
     def _gpu_json(self, budget: Budget, now: float) -> dict[str, Any]:
         """A GPU's budget, with how old its reading is: past `staleness`, no decision is made on it."""
         age = max(0.0, now - budget.reading.observed_at)
-        return {**budget.to_json(), "age": round(age, 3), "stale": age > self.config.staleness}
+        return {**budget.to_json(), "age": round(age, 3), "stale": self.is_stale(budget, now)}
+
+    def is_stale(self, budget: Budget, now: float) -> bool:
+        """Whether this GPU's reading is too old to decide on (the probe has stopped answering, say)."""
+        return now - budget.reading.observed_at > self.config.staleness
 
     @property
     def stale(self) -> bool:
-        """Whether any GPU's reading is too old to decide on (the probe has stopped answering, say)."""
+        """Whether any GPU's reading is too old to decide on."""
         now = self.clock.now()
-        return any(now - budget.reading.observed_at > self.config.staleness for budget in self.budgets())
+        return any(self.is_stale(budget, now) for budget in self.budgets())
 
     def node_json(self) -> dict[str, Any]:
         now = self.clock.now()

@@ -35,18 +35,31 @@ class _BrokerCollector(Collector):
             "1 while external usage has grown into leased or reserved memory",
             labels=["uuid", "index", "name"],
         )
+        observed_at = GaugeMetricFamily(
+            "gpubroker_gpu_observed_timestamp_seconds", "when the reading the figures come from was taken", labels=["uuid", "index", "name"]
+        )
+        stale = GaugeMetricFamily(
+            "gpubroker_gpu_stale",
+            "1 while the reading is older than staleness: no decision is made on it",
+            labels=["uuid", "index", "name"],
+        )
         over = GaugeMetricFamily(
             "gpubroker_leases_over_declared", "live leases using more than 110% of what they declared", labels=["uuid"]
         )
+        now = broker.clock.now()
         for budget in broker.budgets():
             labels = [budget.reading.uuid, str(budget.reading.index), budget.reading.name]
             for name in FIGURES:
                 figures[name].add_metric(labels, getattr(budget.figures, name))
+            observed_at.add_metric(labels, budget.reading.observed_at)
+            stale.add_metric(labels, 1.0 if broker.is_stale(budget, now) else 0.0)
             if budget.unattributed is not None:
                 unattributed.add_metric(labels, budget.unattributed)
             pressure.add_metric(labels, 1.0 if budget.pressure else 0.0)
             over.add_metric([budget.reading.uuid], sum(1 for lease in budget.leases if lease.id in broker.over_declared_ids))
         yield from figures.values()
+        yield observed_at
+        yield stale
         yield unattributed
         yield pressure
         yield over

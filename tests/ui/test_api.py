@@ -515,3 +515,23 @@ async def test_grant_latency_tells_grants_apart_from_under_a_millisecond_to_wait
     (latency,) = [family for family in text_string_to_metric_families(text) if family.name == "gpubroker_grant_latency_seconds"]
     finite = [sample.value for sample in latency.samples if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf"]
     assert [finite.count(float(n)) > 0 for n in range(1, len(waits) + 1)] == [True] * len(waits)  # each in a bucket of its own
+
+
+async def test_metrics_say_when_each_gpus_figures_were_read_and_whether_they_are_too_old_to_decide_on(tmp_path: Path) -> None:
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    metrics = Metrics(broker)
+
+    def gauges() -> dict[str, float]:
+        families = text_string_to_metric_families(metrics.render().decode())
+        names = ("gpubroker_gpu_observed_timestamp_seconds", "gpubroker_gpu_stale")
+        return {s.name: s.value for f in families for s in f.samples if s.name in names and s.labels["uuid"] == "GPU-fake-0"}
+
+    try:
+        assert gauges() == {"gpubroker_gpu_observed_timestamp_seconds": NOW, "gpubroker_gpu_stale": 0.0}
+        clock.advance(config.staleness + 1)  # the probe stopped answering: the figures are those of then, and say so
+        assert gauges() == {"gpubroker_gpu_observed_timestamp_seconds": NOW, "gpubroker_gpu_stale": 1.0}
+    finally:
+        await broker.close()
