@@ -32,6 +32,7 @@ MAX_GPUS = 64
 MAX_CORES = 4096
 MAX_LABELS = 32
 MAX_TEXT = 256
+MAX_PID = 2**22 - 1  # the largest pid_max Linux allows, less one
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +154,7 @@ def parse_request(body: Any) -> LeaseRequest:
             holder_name = _text(holder["name"], "holder.name")
         if "pid" in holder:
             holder_pid = holder["pid"]
-            if isinstance(holder_pid, bool) or not isinstance(holder_pid, int) or not 0 < holder_pid < 2**22:
+            if isinstance(holder_pid, bool) or not isinstance(holder_pid, int) or not 0 < holder_pid <= MAX_PID:
                 raise _invalid("holder.pid", "must be a process id")
     labels = body.get("labels")
     if labels is None:

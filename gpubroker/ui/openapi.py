@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from gpubroker import __version__
-from gpubroker.broker.request import BINDS, MAX_GPUS, PREEMPTIONS
+from gpubroker.broker.request import BINDS, MAX_CORES, MAX_GPUS, MAX_LABELS, MAX_PID, MAX_TEXT, PREEMPTIONS
 from gpubroker.config import CLASSES
 from gpubroker.errors import FailureCode
 
 _SIZE = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]{1,30}(\.[0-9]{1,30})? ?([KMGT]i?B|B)?$"}]}
 _DURATION = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]{1,30}(\.[0-9]{1,30})? ?(ms|s|m|h)?$"}]}
+# A lifetime is at least 1s: as an integer, that is its minimum (a string under 1s is refused too, which no pattern says).
+_TTL = {"oneOf": [{"type": "integer", "minimum": 1}, _DURATION["oneOf"][1]]}
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
 _TOKEN = {"name": "X-Lease-Token", "in": "header", "required": False, "schema": {"type": "string"}}
 
@@ -90,7 +92,7 @@ OPENAPI: dict[str, Any] = {
                 "requestBody": {
                     "required": False,
                     "content": {
-                        "application/json": {"schema": {"type": "object", "additionalProperties": False, "properties": {"ttl": _DURATION}}}
+                        "application/json": {"schema": {"type": "object", "additionalProperties": False, "properties": {"ttl": _TTL}}}
                     },
                 },
                 "responses": {"200": _json(_LEASE_ANSWER, "renewed"), **_error_responses(400, 403, 404, 409, 413, 507)},
@@ -131,7 +133,7 @@ OPENAPI: dict[str, Any] = {
                 "requestBody": {
                     "required": False,
                     "content": {
-                        "application/json": {"schema": {"type": "object", "additionalProperties": False, "properties": {"ttl": _DURATION}}}
+                        "application/json": {"schema": {"type": "object", "additionalProperties": False, "properties": {"ttl": _TTL}}}
                     },
                 },
                 "responses": {
@@ -291,21 +293,33 @@ OPENAPI: dict[str, Any] = {
                     "gpu_memory": _SIZE,
                     "gpus": {"type": "integer", "minimum": 0, "maximum": MAX_GPUS},
                     "exclusive": {"type": "boolean"},
-                    "gpu": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}]},
-                    "cpu_cores": {"type": "integer", "minimum": 0},
+                    "gpu": {
+                        "oneOf": [
+                            {"type": "integer", "minimum": 0, "maximum": MAX_GPUS - 1},
+                            {"type": "string", "minLength": 1, "maxLength": MAX_TEXT},
+                        ]
+                    },
+                    "cpu_cores": {"type": "integer", "minimum": 0, "maximum": MAX_CORES},
                     "memory": _SIZE,
                     "priority": {"type": "string", "enum": list(CLASSES)},
                     "preemption": {"type": "string", "enum": list(PREEMPTIONS), "nullable": True},
-                    "ttl": _DURATION,
+                    "ttl": _TTL,
                     "wait": _DURATION,
                     "deadline": {"type": "string", "format": "date-time"},
                     "holder": {
                         "type": "object",
                         "additionalProperties": False,
-                        "properties": {"name": {"type": "string", "minLength": 1}, "pid": {"type": "integer", "minimum": 1}},
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1, "maxLength": MAX_TEXT},
+                            "pid": {"type": "integer", "minimum": 1, "maximum": MAX_PID},
+                        },
                     },
                     "bind": {"type": "string", "enum": list(BINDS)},
-                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "labels": {
+                        "type": "object",
+                        "maxProperties": MAX_LABELS,
+                        "additionalProperties": {"type": "string", "maxLength": MAX_TEXT},
+                    },
                 },
             },
             "Lease": {

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from conftest import BrokerProcess
 from fakes import GIB, FakeClock, FakeGpuProbe
 
+from gpubroker.broker.request import MAX_CORES, MAX_GPUS, MAX_LABELS, MAX_PID, MAX_TEXT
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
@@ -34,7 +35,7 @@ TYPES: dict[str, type | tuple[type, ...]] = {
 
 def schema_errors(schema: dict[str, Any], value: Any, where: str = "$") -> list[str]:
     """Where `value` breaks `schema`: type (and nullable), enum, required, properties, additionalProperties, items,
-    oneOf, minimum, maximum, minLength, pattern and $ref, as the document uses them."""
+    oneOf, minimum, maximum, minLength, maxLength, maxProperties, pattern and $ref, as the document uses them."""
     while "$ref" in schema:
         schema = OPENAPI["components"]["schemas"][schema["$ref"].rpartition("/")[2]]
     if value is None:
@@ -52,10 +53,14 @@ def schema_errors(schema: dict[str, Any], value: Any, where: str = "$") -> list[
         if value < schema.get("minimum", value) or value > schema.get("maximum", value):
             found.append(f"{where}: {value!r} is out of range")
     if isinstance(value, str):
-        if len(value) < schema.get("minLength", 0) or ("pattern" in schema and not re.search(schema["pattern"], value)):
+        if not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)) or (
+            "pattern" in schema and not re.search(schema["pattern"], value)
+        ):
             found.append(f"{where}: {value!r} is not of the form asked")
     if isinstance(value, dict):
         found += [f"{where}: {name} is missing" for name in schema.get("required", []) if name not in value]
+        if len(value) > schema.get("maxProperties", len(value)):
+            found.append(f"{where}: more than {schema['maxProperties']} properties")
         properties, extra = schema.get("properties", {}), schema.get("additionalProperties", True)
         for name, item in value.items():
             if name in properties:
@@ -222,3 +227,21 @@ async def test_an_answer_to_a_caller_not_signed_in_is_one_every_operation_lists(
         await client.close()
         await broker.close()
     assert broken == []
+
+
+BEYOND_A_BOUND = [
+    {"cpu_cores": MAX_CORES + 1},
+    {"gpu_memory": "1GiB", "gpu": MAX_GPUS},
+    {"gpu_memory": "1GiB", "gpu": "G" * (MAX_TEXT + 1)},
+    {"cpu_cores": 1, "holder": {"name": "n" * (MAX_TEXT + 1)}},
+    {"cpu_cores": 1, "holder": {"pid": MAX_PID + 1}},
+    {"cpu_cores": 1, "labels": {f"k{i}": "v" for i in range(MAX_LABELS + 1)}},
+    {"cpu_cores": 1, "labels": {"k": "v" * (MAX_TEXT + 1)}},
+    {"cpu_cores": 1, "ttl": 0},
+]
+
+
+@pytest.mark.parametrize("body", BEYOND_A_BOUND)
+def test_a_request_refused_for_going_past_a_bound_is_one_the_document_says_is_invalid(api: Api, body: dict[str, Any]) -> None:
+    assert api("POST", "/v1/leases", body).json()["error"]["code"] == "INVALID_REQUEST"
+    assert schema_errors({"$ref": "#/components/schemas/LeaseRequest"}, body) != []  # a client can know before it asks
