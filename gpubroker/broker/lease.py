@@ -24,6 +24,11 @@ class Holder:
     uid: int | None = None
     start_time: float | None = None  # the pid's start time, so a reused pid is not mistaken for it
 
+    @property
+    def called(self) -> str:
+        """How messages name it: its name, or that it has none."""
+        return self.name or "an unnamed holder"
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "uid": self.uid, "pid": self.pid}
 

@@ -406,7 +406,7 @@ class Broker:
                     writes.append(
                         self._event(
                             "lease.over_declared",
-                            f"lease {lease.id} ({lease.holder.name}) uses {gib(used)} GiB on GPU {index}, more than 110% of the {gib(declared)} GiB it declared; it counts what it uses",
+                            f"lease {lease.id} ({lease.holder.called}) uses {gib(used)} GiB on GPU {index}, more than 110% of the {gib(declared)} GiB it declared; it counts what it uses",
                             lease=lease.id,
                             gpu=gpu,
                             details={"declared": declared, "observed": used},
@@ -719,7 +719,7 @@ class Broker:
             Write("leases", lease.id.encode(), lease.to_record()),
             self._event(
                 "lease.granted",
-                f"lease {lease.id} granted to {holder.name or 'an unnamed holder'} ({lease.priority}): {', '.join(where) or 'no GPU'}",
+                f"lease {lease.id} granted to {holder.called} ({lease.priority}): {', '.join(where) or 'no GPU'}",
                 lease=lease.id,
                 gpu=uuids[0] if uuids else None,
                 details={"gpus": uuids, "bytes": sizes, "epoch": lease.epoch, "waited": round(now - waiter.enqueued_at, 3)},
@@ -1054,7 +1054,7 @@ class Broker:
         lease.state, lease.ended_at, lease.reason = state, self.clock.now(), reason
         event = self._event(
             f"lease.{state}",
-            f"lease {lease.id} ({lease.holder.name}) {state}: {reason}",
+            f"lease {lease.id} ({lease.holder.called}) {state}: {reason}",
             lease=lease.id,
             gpu=lease.gpus[0].uuid if lease.gpus else None,
             details={"reason": reason},

@@ -297,6 +297,15 @@ async def test_a_lease_not_renewed_expires_on_the_next_sweep(make_node: Callable
     assert [e["lease"] for e in await node.events("lease.expired")] == [lease["id"]]
 
 
+async def test_events_of_a_lease_without_a_holder_name_say_it_has_none(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    lease, token = await node.ask(gpu_memory="4GiB")
+    await node.broker.release(lease["id"], TCP, token)
+    messages = [e["message"] for e in await node.events() if e.get("lease") == lease["id"]]
+    assert len(messages) == 2
+    assert all("None" not in m and "an unnamed holder" in m for m in messages), messages
+
+
 async def test_only_its_user_root_or_its_token_may_renew_or_release(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     owner = Caller("unix", uid=1000, pid=os.getpid())
