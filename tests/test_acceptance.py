@@ -424,3 +424,42 @@ def test_events_asked_for_from_a_point_no_longer_kept_say_how_many_were_dropped(
     )
     assert listed.returncode == 0
     assert f"gpubroker: {first - 4} events after 3 are no longer kept (events_kept): from {first} on" in listed.stderr
+
+
+def test_a_broker_whose_gpu_reading_hangs_answers_on_refuses_gpus_as_stale_and_still_stops(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    """A driver call stuck in the kernel (NVML and a GPU falling off the bus) hangs the thread that reads the GPUs: the
+    broker answers on, decides nothing on the old reading, and stops on SIGTERM instead of waiting for that thread."""
+    import contextlib
+    import threading
+
+    config = tmp_path / "gpubroker.toml"
+    config.write_text('sample_interval = "200ms"\nstaleness = "1s"\n')
+    sim = tmp_path / "gpus.toml"
+    os.mkfifo(sim)  # each reading opens it and waits there until it is written: a reading that hangs on demand
+    hang = threading.Event()
+
+    def feed() -> None:
+        while not hang.is_set():
+            with contextlib.suppress(BrokenPipeError), sim.open("w") as out:  # a reader gone at once: the test's end
+                out.write(SIMULATION.format(used="1GiB"))
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        broker = broker_process(str(sim), extra=["--config", str(config)]).start()
+        hang.set()
+        client = broker.client()
+        wait_for(lambda: client.call("GET", "/v1/node")["gpus"][0]["stale"], timeout=10)
+        with pytest.raises(ClientError) as refused:
+            client.call("POST", "/v1/leases", {"gpu_memory": "1GiB", "bind": "none"})
+        assert refused.value.code == "SCHEDULER_STATE_STALE"
+        assert client.call("POST", "/v1/leases", {"cpu_cores": 1, "bind": "none"})["lease"]["state"] == "granted"
+        assert broker.proc is not None
+        broker.proc.terminate()
+        assert broker.proc.wait(10) == 0  # it waited for the stuck reading: for ever, or until systemd's SIGKILL
+    finally:
+        hang.set()
+        os.close(os.open(sim, os.O_RDONLY | os.O_NONBLOCK))  # a feeder still waiting for a reader writes once more and ends
+        feeder.join(10)

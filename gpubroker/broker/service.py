@@ -13,11 +13,12 @@ import contextlib
 import os
 import pwd
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gpubroker import __version__
 from gpubroker.broker import holders
@@ -158,6 +159,36 @@ class RefusalBudget:
             details = {**details, "not_kept_before": self.not_kept}
             self.not_kept = 0
         return details
+
+
+T = TypeVar("T")
+
+
+async def _in_daemon_thread(function: Callable[[], T]) -> T:
+    """`function()` on a daemon thread of its own. A driver call can hang in the kernel for good (NVML and a GPU
+    fallen off the bus): it must hang that thread alone. In the loop's executor it would hang the broker's stop too,
+    which waits for every executor thread before the process exits."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # its awaiter was cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = function(), None
+        except BaseException as raised:
+            result, error = None, raised
+        with contextlib.suppress(RuntimeError):  # the loop closed while it ran: nobody waits for it any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="gpubroker-sample", daemon=True).start()
+    return await future
 
 
 class Broker:
@@ -344,7 +375,7 @@ class Broker:
                 said = None
 
     async def sample(self) -> None:
-        """Read the GPUs and the host (in a thread), then act on what changed."""
+        """Read the GPUs and the host (in a thread of its own), then act on what changed."""
 
         def read() -> tuple[list[GpuReading] | None, str | None, HostReading]:
             try:
@@ -352,7 +383,7 @@ class Broker:
             except ProbeError as error:
                 return None, str(error), sample_host()
 
-        readings, error, host = await asyncio.to_thread(read)
+        readings, error, host = await _in_daemon_thread(read)
         self.apply_sample(readings, error, host)
 
     def apply_sample(self, readings: list[GpuReading] | None, error: str | None, host: HostReading | None = None) -> None:
