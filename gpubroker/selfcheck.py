@@ -57,11 +57,14 @@ def self_check() -> int:
             loop.call_soon_threadsafe(task.cancel)
             runner.join(10)
         mesh = _mesh_check()
+        nvml_probe = NvmlProbe()
         try:
-            NvmlProbe().sample()
+            nvml_probe.sample()
             nvml = "NVML: GPUs readable"
         except ProbeError as error:
             nvml = f"NVML: {error}"
+        finally:
+            nvml_probe.close()
     print(f"self-check ok: lease {lease['id']} granted and released on a simulated 24 GiB GPU; {mesh}; {nvml}")
     return 0
 

@@ -39,11 +39,15 @@ class FakeGpuProbe:
     error: str | None = None
     processes_listed: bool = True
     uuids: list[str] | None = None  # each GPU's UUID, by index; GPU-fake-<index> unless given
+    closed: bool = False  # whether the broker let the probe go
 
     def external(self, index: int, size: int, name: str = "ollama", pid: int = 900001) -> None:
         self.processes[index] = [p for p in self.processes.get(index, []) if p.pid != pid]
         if size:
             self.processes[index].append(GpuProcess(pid, name, size))
+
+    def close(self) -> None:
+        self.closed = True
 
     def sample(self) -> list[GpuReading]:
         if self.error is not None:

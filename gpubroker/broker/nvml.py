@@ -18,6 +18,7 @@ from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError, describe
 # NVML_VALUE_NOT_AVAILABLE as an unsigned long long: the driver lists the process but not its
 # memory (WDDM, some containers). Current bindings turn it into None, older ones pass it through.
 NOT_AVAILABLE = 2**64 - 1
+CLOSE_WAIT = 1.0  # seconds close() waits for a sample in flight
 _PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
 
 
@@ -48,10 +49,14 @@ class NvmlProbe:
 
     def close(self) -> None:
         """Shut NVML down if a sample initialised it; closing twice does nothing."""
-        with self._lock:
+        if not self._lock.acquire(timeout=CLOSE_WAIT):
+            return  # a sample stuck in the driver holds NVML: the process's exit lets it go
+        try:
             if self._initialised:
                 self._initialised = False
                 self._call("nvmlShutdown", None)
+        finally:
+            self._lock.release()
 
     def _read(self, index: int, now: float) -> GpuReading:
         handle = self._call("nvmlDeviceGetHandleByIndex", index, index)

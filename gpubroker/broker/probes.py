@@ -54,6 +54,9 @@ class GpuReading:
 class GpuProbe(Protocol):
     def sample(self) -> list[GpuReading]: ...
 
+    def close(self) -> None:
+        """Let the driver go (NVML's shutdown); the broker calls it once it stops sampling."""
+
 
 def describe_process(pid: int) -> tuple[str, int | None, tuple[int, ...]]:
     """Name, process group and ancestor pids of a local process; empty when it is gone."""
@@ -163,6 +166,9 @@ class SimulatedProbe:
             used = sum(p.used for p in processes if p.gpu == index)
             readings.append(GpuReading(index, gpu.uuid, gpu.name, gpu.memory, min(used, gpu.memory), now, mine))
         return readings
+
+    def close(self) -> None:
+        """Nothing to let go: the file is opened afresh at each sample."""
 
 
 def _simulated_process(process: _SimProcess) -> GpuProcess:

@@ -352,6 +352,7 @@ class Broker:
         if self._watch is not None:
             self._watch.close()
         self.store.stop()
+        await _in_daemon_thread(self.probe.close)  # NVML's shutdown, once no sample is taken any more
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

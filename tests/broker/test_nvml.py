@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pynvml
 import pytest
 from fake_pynvml import GIB, VANISHED_PID, FakeGpu, FakeNvml
 
+from gpubroker.broker.nvml import CLOSE_WAIT as NVML_CLOSE_WAIT
 from gpubroker.broker.nvml import NvmlProbe
 from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError
+from gpubroker.broker.service import Broker
+from gpubroker.broker.store import Store
+from gpubroker.config import Config
 
 NOW = 1_700_000_000.5
 
@@ -250,3 +257,29 @@ def test_the_fake_returns_the_real_bindings_types() -> None:
     assert nvml.NVMLError_NotSupported is pynvml.NVMLError_NotSupported
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         nvml.nvmlDeviceGetHandleByIndex(1)
+
+
+async def test_a_broker_that_stops_shuts_nvml_down_and_does_not_wait_for_a_stuck_sample(tmp_path: Path) -> None:
+    import threading
+
+    nvml = FakeNvml([FakeGpu(uuid="GPU-aaaa")])
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), NvmlProbe(nvml))
+    await broker.start()
+    assert [reading.uuid for reading in broker.readings] == ["GPU-aaaa"]
+    await broker.close()
+    assert (nvml.init_calls, nvml.shutdown_calls) == (1, 1)
+
+    stuck, release = threading.Event(), threading.Event()
+    nvml.after_process_list = lambda index: (stuck.set(), release.wait(10))
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), NvmlProbe(nvml))
+    starting = asyncio.create_task(broker.start())
+    try:
+        await asyncio.to_thread(stuck.wait, 5)
+        starting.cancel()  # SIGTERM while the first reading is stuck in the driver
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await asyncio.wait_for(broker.close(), NVML_CLOSE_WAIT + 2)
+        assert nvml.shutdown_calls == 1  # the stuck sample holds NVML; the process's exit lets it go
+    finally:
+        release.set()
