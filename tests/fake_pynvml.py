@@ -25,6 +25,10 @@ NOT_AVAILABLE: int = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value  # 2**64 - 
 Listed = tuple[int, int | None]
 
 
+# What NVML gives of a GPU in MIG mode as a whole only to root ("aggregate information"); per MIG device to anyone.
+_WHOLE_CARD = ("nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
+
+
 @dataclass
 class FakeGpu:
     """One fake accelerator as NVML would report it."""
@@ -38,6 +42,11 @@ class FakeGpu:
     processes_not_supported: bool = False  # both process lists raise NVMLError_NotSupported
     lost: bool = False  # every call naming this GPU raises NVMLError_GpuIsLost
     errors: dict[str, int] = field(default_factory=dict)  # function name → NVML_ERROR_* it returns
+    # NVML_DEVICE_MIG_ENABLE or _DISABLE; None: a GPU without MIG, whose nvmlDeviceGetMigMode is NVMLError_NotSupported.
+    mig_mode: int | None = None
+    # In MIG mode, its MIG devices by MIG index (None: no device at that index, NVMLError_NotFound). On the GPU
+    # itself, memory and process lists are then the whole card's for root, NVMLError_NoPermission for anyone else.
+    mig: list[FakeGpu | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class FakeHandle:
     """Stands in for `c_nvmlDevice_t`: opaque to callers."""
 
     index: int
+    mig: int | None = None  # a MIG device of GPU `index`, by its MIG index
 
 
 class FakeNvml:
@@ -59,6 +69,7 @@ class FakeNvml:
         bytes_strings: bool = False,
         raw_structs: bool = False,
         after_process_list: Callable[[int], None] | None = None,
+        root: bool = True,
     ) -> None:
         self.gpus = list(gpus or [])
         self.driver_missing = driver_missing  # nvmlInit raises NVMLError_LibraryNotFound
@@ -67,6 +78,7 @@ class FakeNvml:
         # Process lists as the raw structures, NOT_AVAILABLE unconverted, as older bindings gave them.
         self.raw_structs = raw_structs
         self.after_process_list = after_process_list  # called with the GPU index after each list
+        self.root = root  # whether the caller may read a GPU in MIG mode as a whole
         self.calls: list[str] = []
         self.init_calls = 0
         self.shutdown_calls = 0
@@ -125,6 +137,24 @@ class FakeNvml:
         gpu = self._unversioned("nvmlDeviceGetGraphicsRunningProcesses", handle)
         return self._process_list(handle, gpu, gpu.graphics)
 
+    def nvmlDeviceGetMigMode(self, handle: FakeHandle) -> list[int]:
+        gpu = self._device("nvmlDeviceGetMigMode", handle)
+        if gpu.mig_mode is None or handle.mig is not None:
+            raise pynvml.NVMLError_NotSupported()
+        return [gpu.mig_mode, gpu.mig_mode]  # current and pending
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: FakeHandle) -> int:
+        gpu = self._device("nvmlDeviceGetMaxMigDeviceCount", handle)
+        return len(gpu.mig) if gpu.mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: FakeHandle, index: int) -> FakeHandle:
+        gpu = self._device("nvmlDeviceGetMigDeviceHandleByIndex", handle)
+        if gpu.mig_mode != pynvml.NVML_DEVICE_MIG_ENABLE or not 0 <= index < len(gpu.mig):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if gpu.mig[index] is None:
+            raise pynvml.NVMLError_NotFound()
+        return FakeHandle(handle.index, index)
+
     # How the real library behaves ----------------------------------------------------------------
 
     def _enter(self, function: str, *, initialised: bool = True) -> None:
@@ -140,6 +170,12 @@ class FakeNvml:
         gpu = self.gpus[handle.index]
         if gpu.lost:
             raise pynvml.NVMLError_GpuIsLost()
+        if handle.mig is not None:
+            mig = gpu.mig[handle.mig]
+            assert mig is not None
+            gpu = mig
+        elif gpu.mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE and not self.root and function in _WHOLE_CARD:
+            raise pynvml.NVMLError_NoPermission()
         if function in gpu.errors:
             raise pynvml.NVMLError(gpu.errors[function])
         return gpu

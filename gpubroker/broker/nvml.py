@@ -45,7 +45,12 @@ class NvmlProbe:
             # Taken before the reads: a reading is never younger than its time says.
             now = self._clock()
             count = int(self._call("nvmlDeviceGetCount", None))
-            return [self._read(index, now) for index in range(count)]
+            readings: list[GpuReading] = []
+            for gpu in range(count):
+                handle = self._call("nvmlDeviceGetHandleByIndex", gpu, gpu)
+                # Accelerators are numbered in NVML's order, a GPU in MIG mode by its MIG devices.
+                readings += [self._read(len(readings) + n, gpu, device, now) for n, device in enumerate(self._devices(gpu, handle))]
+            return readings
 
     def close(self) -> None:
         """Shut NVML down if a sample initialised it; closing twice does nothing."""
@@ -58,17 +63,41 @@ class NvmlProbe:
         finally:
             self._lock.release()
 
-    def _read(self, index: int, now: float) -> GpuReading:
-        handle = self._call("nvmlDeviceGetHandleByIndex", index, index)
-        memory = self._call("nvmlDeviceGetMemoryInfo", index, handle)
+    def _devices(self, gpu: int, handle: Any) -> list[Any]:
+        """What work can be given of a GPU: the GPU, or in MIG mode each of its MIG devices (UUID `MIG-…`).
+
+        Work on a GPU in MIG mode sees one MIG device, never the whole card: leasing the card's memory
+        would promise what no process can reach (and only root may read the card as a whole)."""
+        nvml = self._nvml
+        if getattr(nvml, "nvmlDeviceGetMigMode", None) is None:
+            return [handle]  # bindings older than MIG
+        try:
+            current = self._call("nvmlDeviceGetMigMode", gpu, handle)[0]
+        except ProbeError as error:
+            if isinstance(error.__cause__, (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound)):
+                return [handle]  # a GPU without MIG, or a driver older than MIG
+            raise
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            return [handle]
+        devices = []
+        for slot in range(int(self._call("nvmlDeviceGetMaxMigDeviceCount", gpu, handle))):
+            try:
+                devices.append(self._call("nvmlDeviceGetMigDeviceHandleByIndex", gpu, handle, slot))
+            except ProbeError as error:
+                if not isinstance(error.__cause__, nvml.NVMLError_NotFound):  # NotFound: no MIG device at that index
+                    raise
+        return devices
+
+    def _read(self, index: int, gpu: int, handle: Any, now: float) -> GpuReading:
+        memory = self._call("nvmlDeviceGetMemoryInfo", gpu, handle)
         return GpuReading(
             index=index,
-            uuid=_text(self._call("nvmlDeviceGetUUID", index, handle)),
-            name=_text(self._call("nvmlDeviceGetName", index, handle)),
+            uuid=_text(self._call("nvmlDeviceGetUUID", gpu, handle)),
+            name=_text(self._call("nvmlDeviceGetName", gpu, handle)),
             total=int(memory.total),
             used=int(memory.used),
             observed_at=now,
-            processes=self._processes(index, handle),
+            processes=self._processes(gpu, handle),
         )
 
     def _processes(self, index: int, handle: Any) -> tuple[GpuProcess, ...] | None:

@@ -283,3 +283,45 @@ async def test_a_broker_that_stops_shuts_nvml_down_and_does_not_wait_for_a_stuck
         assert nvml.shutdown_calls == 1  # the stuck sample holds NVML; the process's exit lets it go
     finally:
         release.set()
+
+
+def mig_machine() -> list[FakeGpu]:
+    """GPU 0 without MIG, GPU 1 in MIG mode with two MIG devices (and an empty index between them), GPU 2 with MIG off."""
+    three_g = FakeGpu(
+        uuid="MIG-aaaa", name="NVIDIA A100-SXM4-40GB MIG 3g.20gb", total=20 * GIB, used=5 * GIB, compute=[(VANISHED_PID, 4 * GIB)]
+    )
+    two_g = FakeGpu(uuid="MIG-bbbb", name="NVIDIA A100-SXM4-40GB MIG 2g.10gb", total=10 * GIB, used=GIB // 2)
+    return [
+        FakeGpu(uuid="GPU-plain", name="NVIDIA L4", total=24 * GIB, used=GIB),
+        FakeGpu(
+            uuid="GPU-mig", name="NVIDIA A100-SXM4-40GB", total=40 * GIB, used=6 * GIB, compute=[(VANISHED_PID, 4 * GIB)],
+            mig_mode=pynvml.NVML_DEVICE_MIG_ENABLE, mig=[three_g, None, two_g],
+        ),
+        FakeGpu(uuid="GPU-off", name="NVIDIA A100-SXM4-40GB", total=40 * GIB, mig_mode=pynvml.NVML_DEVICE_MIG_DISABLE),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("root", [True, False], ids=["root", "not-root"])
+def test_a_gpu_in_mig_mode_is_read_as_its_mig_devices_which_are_all_that_work_can_use(root: bool) -> None:
+    """Work on a GPU in MIG mode sees one MIG device (CUDA_VISIBLE_DEVICES=MIG-…), never the whole card: leasing the
+    card's 40 GiB would promise memory no process can reach. Each MIG device is an accelerator of its own."""
+    readings = probe(FakeNvml(mig_machine(), root=root)).sample()
+
+    assert [(r.index, r.uuid, r.total, r.used) for r in readings] == [
+        (0, "GPU-plain", 24 * GIB, GIB),
+        (1, "MIG-aaaa", 20 * GIB, 5 * GIB),
+        (2, "MIG-bbbb", 10 * GIB, GIB // 2),
+        (3, "GPU-off", 40 * GIB, 0),
+    ]
+    assert readings[1].name == "NVIDIA A100-SXM4-40GB MIG 3g.20gb"
+    assert readings[1].processes == (GpuProcess(VANISHED_PID, "", 4 * GIB),)
+    assert readings[2].processes == ()
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND], ids=["no-mig", "old-driver"])
+def test_a_gpu_or_driver_without_mig_is_read_as_one_gpu(code: int) -> None:
+    gpu = FakeGpu(uuid="GPU-aaaa", used=GIB, errors={"nvmlDeviceGetMigMode": code})
+
+    [reading] = probe(FakeNvml([gpu])).sample()
+
+    assert (reading.uuid, reading.used) == ("GPU-aaaa", GIB)
