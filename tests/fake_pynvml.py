@@ -41,6 +41,9 @@ class FakeGpu:
     graphics: list[Listed] = field(default_factory=list)
     processes_not_supported: bool = False  # both process lists raise NVMLError_NotSupported
     lost: bool = False  # every call naming this GPU raises NVMLError_GpuIsLost
+    # The next so many process lists raise NVMLError_InsufficientSize, as the bindings do when more processes
+    # start between their call for the count and their call for the list than the room they left.
+    lists_outgrown: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # function name → NVML_ERROR_* it returns
     # NVML_DEVICE_MIG_ENABLE or _DISABLE; None: a GPU without MIG, whose nvmlDeviceGetMigMode is NVMLError_NotSupported.
     mig_mode: int | None = None
@@ -190,6 +193,9 @@ class FakeNvml:
     def _process_list(self, handle: FakeHandle, gpu: FakeGpu, listed: list[Listed]) -> list[Any]:
         if gpu.processes_not_supported:
             raise pynvml.NVMLError_NotSupported()
+        if gpu.lists_outgrown > 0:
+            gpu.lists_outgrown -= 1
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
         processes: list[Any] = []
         for pid, size in listed:
             struct = pynvml.c_nvmlProcessInfo_t(pid=pid, usedGpuMemory=NOT_AVAILABLE if size is None else size)

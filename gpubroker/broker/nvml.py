@@ -18,6 +18,7 @@ from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError, describe
 # NVML_VALUE_NOT_AVAILABLE as an unsigned long long: the driver lists the process but not its
 # memory (WDDM, some containers). Current bindings turn it into None, older ones pass it through.
 NOT_AVAILABLE = 2**64 - 1
+LIST_TRIES = 3  # a process list outgrown while it was read is asked for again, at most this many times in all
 CLOSE_WAIT = 1.0  # seconds close() waits for a sample in flight
 _PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
 
@@ -107,7 +108,7 @@ class NvmlProbe:
         listed = False
         for function in _PROCESS_LISTS:
             try:
-                entries = self._call(function, index, handle)
+                entries = self._list(function, index, handle)
             except ProbeError as error:
                 # One list unreadable (a compute-only card's graphics list, bindings newer than
                 # the driver): the other still attributes what it can; the rest of `used`
@@ -131,6 +132,17 @@ class NvmlProbe:
             name, pgid, ancestors = describe_process(pid)
             processes.append(GpuProcess(pid, name, size, pgid, ancestors))
         return tuple(processes)
+
+    def _list(self, function: str, gpu: int, handle: Any) -> Any:
+        """A process list; asked again when processes started between the bindings' call for the count and
+        their call for the list (more than the room they left for), which is no fault of the driver."""
+        for _ in range(LIST_TRIES - 1):
+            try:
+                return self._call(function, gpu, handle)
+            except ProbeError as error:
+                if not isinstance(error.__cause__, self._nvml.NVMLError_InsufficientSize):
+                    raise
+        return self._call(function, gpu, handle)
 
     def _call(self, function: str, gpu: int | None, *args: Any) -> Any:
         nvml = self._nvml

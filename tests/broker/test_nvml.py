@@ -325,3 +325,13 @@ def test_a_gpu_or_driver_without_mig_is_read_as_one_gpu(code: int) -> None:
     [reading] = probe(FakeNvml([gpu])).sample()
 
     assert (reading.uuid, reading.used) == ("GPU-aaaa", GIB)
+
+
+def test_processes_that_start_while_nvml_lists_them_are_listed_again_not_a_driver_error() -> None:
+    """The bindings ask for the count, then for the list with room for twice as many and five more: a burst of
+    processes starting in between (a dataloader's workers) is NVMLError_InsufficientSize, and is asked again."""
+    gpu = FakeGpu(used=2 * GIB, compute=[(VANISHED_PID, GIB)], lists_outgrown=2)
+
+    [reading] = probe(FakeNvml([gpu])).sample()
+
+    assert reading.processes == (GpuProcess(VANISHED_PID, "", GIB),)
