@@ -477,18 +477,26 @@ def cmd_leases(args: argparse.Namespace) -> int:
         return 0
     if len(leases) == args.limit:  # the API gives at most --limit: there may be more
         print(f"gpubroker: the first {args.limit} leases are shown; there may be more: give --limit", file=sys.stderr)
-    print(f"{'ID':16} {'STATE':9} {'CLASS':12} {'HOLDER':20} {'GPUS':24} EXPIRES / REASON")
+    _print_leases(leases)
+    return 0
+
+
+def _print_leases(leases: list[dict[str, Any]]) -> None:
+    """A table of leases, each column as wide as its widest cell: a holder's name (up to 256 characters) or a lease on
+    many GPUs is shown whole, and every column stays aligned."""
+    rows = [("ID", "STATE", "CLASS", "HOLDER", "GPUS", "EXPIRES / REASON")]
     for lease in leases:
         gpus = ",".join(f"{g['index']}:{gib(g['bytes'])}" for g in lease.get("gpus", [])) or "-"
-        holder = (lease["holder"].get("name") or "-")[:20]
         if lease["state"] == "queued":
             tail = f"position {lease['position']}: {lease['reason']}"
         elif lease["state"] == "granted":
             tail = lease["expires_at"]
         else:
             tail = lease.get("reason") or ""
-        print(f"{lease['id']:16} {lease['state']:9} {lease['priority']:12} {holder:20} {gpus:24} {tail}")
-    return 0
+        rows.append((lease["id"], lease["state"], lease["priority"], lease["holder"].get("name") or "-", gpus, tail))
+    widths = [max(len(row[column]) for row in rows) for column in range(5)]
+    for row in rows:
+        print("  ".join(f"{cell:{width}}" for cell, width in zip(row, widths, strict=False)) + f"  {row[5]}")
 
 
 def cmd_release(args: argparse.Namespace) -> int:

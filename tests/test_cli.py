@@ -120,6 +120,24 @@ def test_status_of_a_node_removed_from_its_cluster_says_so_and_how_to_join_again
     )
 
 
+def test_leases_shows_long_holder_names_and_many_gpus_whole_with_every_column_aligned(capsys: pytest.CaptureFixture[str]) -> None:
+    def lease(lease_id: str, holder: str, gpus: int) -> dict[str, Any]:
+        return {
+            "id": lease_id,
+            "state": "granted",
+            "priority": "interactive",
+            "holder": {"name": holder},
+            "gpus": [{"index": index, "bytes": 10 * 2**30} for index in range(gpus)],
+            "expires_at": "2026-11-30T10:05:00.000Z",
+        }
+
+    cli._print_leases([lease("l-1", "train-llama-70b-lora-run-7", 8), lease("l-2", "train-llama-70b-lora-run-8", 1)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "train-llama-70b-lora-run-7" in lines[1]  # not cut to 20 characters, where both read alike
+    assert "0:10.0,1:10.0,2:10.0,3:10.0,4:10.0,5:10.0,6:10.0,7:10.0" in lines[1]
+    assert {line.index("2026-11-30T10:05:00.000Z") for line in lines[1:]} == {lines[0].index("EXPIRES / REASON")}
+
+
 def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
     remote = Client(Endpoint("http://10.233.0.2:9740"))
     remote.token = "SECRET-API-TOKEN"
