@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import ssl
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -67,3 +69,39 @@ def test_the_web_ui_is_served_with_its_assets_and_on_a_lan_address_over_https(
         urllib.request.urlopen(f"https://127.0.0.1:{port}/", context=context, timeout=10)
     assert unauthenticated.value.code == 401
     assert 'action="/login"' in unauthenticated.value.read().decode()
+
+
+@pytest.mark.parametrize(
+    ("how", "config"),
+    [
+        (["--simulate-gpus=1x12GiB"], ""),
+        ([], 'simulate_gpus = "1x12GiB"\n'),  # flags override the file: a default given as a flag would win
+    ],
+    ids=["flag-with-equals", "config-file"],
+)
+def test_dev_up_runs_the_gpus_its_flags_or_config_simulate(how: list[str], config: str, tmp_path: Path) -> None:
+    """`./dev up` adds simulated 2x24GiB GPUs where there is no driver only when it is not told which to simulate."""
+    repo = Path(__file__).resolve().parent.parent
+    if Path(sys.executable).resolve() != (repo / ".venv" / "bin" / "python").resolve():
+        pytest.skip("./dev runs the repository's .venv, which is not the interpreter of these tests")
+    (tmp_path / "gpubroker.toml").write_text(
+        config + f'state_dir = "{tmp_path / "state"}"\nsocket = "{tmp_path / "api.sock"}"\nlisten = "127.0.0.1:{free_port()}"\n'
+    )
+    up = subprocess.Popen(
+        [str(repo / "dev"), "up", "--config", str(tmp_path / "gpubroker.toml"), *how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    said: list[str] = []
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:  # setting up .venv, the line that says what dev adds, then the broker's
+            said.append(line)
+            if line.startswith("gpubroker ready"):
+                break
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.communicate(timeout=30)
+    assert "1 GPU via simulated (1x12GiB)" in said[-1], "".join(said)
+    assert not any("running on simulated GPUs (2x24GiB)" in line for line in said)
