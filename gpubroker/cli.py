@@ -692,7 +692,11 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"gpubroker {__version__}")
     sub = top.add_subparsers(dest="command_name", required=True)
 
-    up = sub.add_parser("up", help="run the broker in the foreground")
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        """A subcommand whose own --help says what it does, as the list of commands does."""
+        return sub.add_parser(name, help=help, description=description or help)
+
+    up = command("up", help="run the broker in the foreground")
     up.add_argument("--state", metavar="DIR", help="state directory (LMDB)")
     up.add_argument("--listen", metavar="HOST:PORT", help="TCP address of the API (default 127.0.0.1:9740)")
     up.add_argument("--socket", metavar="PATH", help="Unix socket of the API")
@@ -707,78 +711,87 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--ask", action="store_true", help="no token: ask the members found to admit this node, for an operator to approve")
     up.set_defaults(run=cmd_up)
 
-    init = sub.add_parser("init", help="create this node's identity and a new cluster (once, on the first node)")
-    init.add_argument("--state", metavar="DIR")
-    init.add_argument("--config", metavar="FILE")
-    init.add_argument("--name")
+    init = command("init", help="create this node's identity and a new cluster (once, on the first node)")
+    init.add_argument("--state", metavar="DIR", help="state directory (as `gpubroker up --state`)")
+    init.add_argument("--config", metavar="FILE", help="TOML configuration file (as `gpubroker up --config`)")
+    init.add_argument("--name", help="this node's name (default: the hostname)")
     init.set_defaults(run=cmd_init)
 
-    invite = sub.add_parser("invite", help="print a one-time join token for a new node (asks the running broker)")
+    invite = command("invite", help="print a one-time join token for a new node (asks the running broker)")
     invite.add_argument("--ttl", default="1h", metavar="DURATION", help="how long the token is valid (default 1h)")
     invite.set_defaults(run=cmd_invite)
 
-    nodes = sub.add_parser("nodes", help="the cluster's members: list, approve ID (a node that asked), remove ID")
-    nodes.add_argument("action", choices=("list", "approve", "remove"))
-    nodes.add_argument("id", nargs="?")
-    nodes.add_argument("--json", action="store_true")
+    nodes = command("nodes", help="the cluster's members: list, approve ID (a node that asked), remove ID")
+    nodes.add_argument("action", choices=("list", "approve", "remove"), help="list the members, approve a node that asked, or remove one")
+    nodes.add_argument("id", nargs="?", help="the node id to approve or remove")
+    nodes.add_argument("--json", action="store_true", help="print the answer as JSON")
     nodes.set_defaults(run=cmd_nodes)
 
-    keys = sub.add_parser("keys", help="the gossip keyring: list, install [KEY], use ID, remove ID")
-    keys.add_argument("action", choices=("list", "install", "use", "remove"))
+    keys = command("keys", help="the gossip keyring: list, install [KEY], use ID, remove ID")
+    keys.add_argument(
+        "action", choices=("list", "install", "use", "remove"), help="list the keys, install one, seal with one, or remove one"
+    )
     keys.add_argument("key", nargs="?", help="a base64 key to install (default: a new one), or a key id")
-    keys.add_argument("--json", action="store_true")
+    keys.add_argument("--json", action="store_true", help="print the answer as JSON")
     keys.set_defaults(run=cmd_keys)
 
-    status = sub.add_parser("status", help="this node at a glance")
-    status.add_argument("--json", action="store_true")
+    status = command("status", help="this node and its cluster at a glance")
+    status.add_argument("--json", action="store_true", help="print GET /v1/node and GET /v1/cluster as JSON")
     status.set_defaults(run=cmd_status)
 
-    lease = sub.add_parser("lease", help="get a lease and print it, or run a command under it: lease [...] -- CMD ARGS")
+    lease = command(
+        "lease",
+        help="get a lease and print it, or run a command under it: lease [...] -- CMD ARGS",
+        description="Get a lease. Without CMD, print it (its token and environment); it lives by its TTL and renewals. "
+        "With -- CMD ARGS, run CMD with CUDA_VISIBLE_DEVICES (the granted GPUs' UUIDs), GPUBROKER_LEASE and "
+        "GPUBROKER_GPU_MEMORY (bytes per GPU) set, renew the lease while CMD runs, release it when CMD exits, and exit "
+        "with CMD's exit code. The exit code is 75 when the lease is refused.",
+    )
     lease.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE", help="bytes per GPU: 8GiB, 512MiB")
     lease.add_argument("--gpus", type=int, help="how many GPUs (default 1 with --gpu-memory or --exclusive)")
     lease.add_argument("--exclusive", action="store_true", help="whole GPUs: nothing else may be leased on them")
     lease.add_argument("--gpu", metavar="INDEX|UUID", help="pin to one GPU")
-    lease.add_argument("--cpu-cores", dest="cpu_cores", type=int, metavar="N")
+    lease.add_argument("--cpu-cores", dest="cpu_cores", type=int, metavar="N", help="CPU cores")
     lease.add_argument("--memory", metavar="SIZE", help="host memory")
-    lease.add_argument("--priority", choices=CLASSES)
-    lease.add_argument("--preemption", choices=("never", "drain", "interrupt"))
+    lease.add_argument("--priority", choices=CLASSES, help="the class, in claim order (default interactive)")
+    lease.add_argument("--preemption", choices=("never", "drain", "interrupt"), help="how it may be taken (default never)")
     lease.add_argument("--ttl", metavar="DURATION", help="lifetime unless renewed (default 5m)")
     lease.add_argument("--wait", metavar="DURATION", help="how long to wait in the queue, or 'forever' (default: answer now)")
     lease.add_argument("--deadline", metavar="RFC3339", help="the time by which it must be granted, or not at all")
     lease.add_argument("--name", help="the holder's name (default: the command's name)")
-    lease.add_argument("--label", action="append", metavar="K=V")
-    lease.add_argument("--json", action="store_true")
+    lease.add_argument("--label", action="append", metavar="K=V", help="a label shown with the lease (repeatable)")
+    lease.add_argument("--json", action="store_true", help="without CMD: print the lease as JSON")
     lease.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: run under the lease")
     lease.set_defaults(run=cmd_lease)
 
-    leases = sub.add_parser("leases", help="list leases and waiting requests")
-    leases.add_argument("--state", choices=("queued", "granted", "released", "expired", "revoked"))
+    leases = command("leases", help="list leases and waiting requests")
+    leases.add_argument("--state", choices=("queued", "granted", "released", "expired", "revoked"), help="only leases in this state")
     leases.add_argument("--node", help="another node of the cluster (id or name): the granted leases its document lists")
-    leases.add_argument("--limit", type=int, default=1000)
-    leases.add_argument("--json", action="store_true")
+    leases.add_argument("--limit", type=int, default=1000, help="at most this many (default 1000)")
+    leases.add_argument("--json", action="store_true", help="print them as one JSON array")
     leases.set_defaults(run=cmd_leases)
 
-    release = sub.add_parser("release", help="release a lease (or cancel a waiting request)")
-    release.add_argument("id")
+    release = command("release", help="release a lease (or cancel a waiting request)")
+    release.add_argument("id", help="the lease's id (or the waiting request's)")
     release.add_argument("--token", help="the lease's token, when not its Unix user or root")
-    release.add_argument("--json", action="store_true")
+    release.add_argument("--json", action="store_true", help="print the released lease as JSON")
     release.set_defaults(run=cmd_release)
 
-    events = sub.add_parser("events", help="structured events, oldest first")
-    events.add_argument("--after", type=int, default=0, metavar="SEQ")
+    events = command("events", help="structured events, oldest first")
+    events.add_argument("--after", type=int, default=0, metavar="SEQ", help="only the events after this sequence number")
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
-    events.add_argument("--json", action="store_true")
+    events.add_argument("--json", action="store_true", help="print them as one JSON array (with --follow, one object per line)")
     events.set_defaults(run=cmd_events)
 
-    password = sub.add_parser("password", help="make the ui_password_hash setting from a password (asked twice, or one line on stdin)")
+    password = command("password", help="make the ui_password_hash setting from a password (asked twice, or one line on stdin)")
     password.set_defaults(run=cmd_password)
 
-    token = sub.add_parser("token", help="print this node's API token, for GPUBROKER_TOKEN and Prometheus (read from the state directory)")
-    token.add_argument("--state", metavar="DIR")
-    token.add_argument("--config", metavar="FILE")
+    token = command("token", help="print this node's API token, for GPUBROKER_TOKEN and Prometheus (read from the state directory)")
+    token.add_argument("--state", metavar="DIR", help="the state directory the broker runs on")
+    token.add_argument("--config", metavar="FILE", help="the broker's TOML configuration file")
     token.set_defaults(run=cmd_token)
 
-    check = sub.add_parser("self-check", help="start a broker on a simulated GPU in a temporary directory, grant and release a lease")
+    check = command("self-check", help="start a broker on a simulated GPU in a temporary directory, grant and release a lease")
     check.set_defaults(run=cmd_self_check)
     return top
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -136,6 +137,18 @@ def test_leases_shows_long_holder_names_and_many_gpus_whole_with_every_column_al
     assert "train-llama-70b-lora-run-7" in lines[1]  # not cut to 20 characters, where both read alike
     assert "0:10.0,1:10.0,2:10.0,3:10.0,4:10.0,5:10.0,6:10.0,7:10.0" in lines[1]
     assert {line.index("2026-11-30T10:05:00.000Z") for line in lines[1:]} == {lines[0].index("EXPIRES / REASON")}
+
+
+def test_every_subcommands_help_says_what_it_does_and_what_each_of_its_arguments_is() -> None:
+    top = cli.parser()
+    commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        assert sub.description, f"gpubroker {name} --help says nothing of what it does"
+        for action in sub._actions:
+            assert action.help, f"gpubroker {name} --help: {action.option_strings or action.dest} has no help"
+    lease = commands.choices["lease"].format_help()
+    assert "75" in lease  # the exit code of a refusal, as the README gives it
+    assert "CUDA_VISIBLE_DEVICES" in lease
 
 
 def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
