@@ -141,7 +141,7 @@ def place(
 
 def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]) -> Refusal:
     need = request.gpu_memory
-    needs = "the whole GPU" if request.exclusive else f"needs {gib(need)}"
+    needs = "needs the whole GPU" if request.exclusive else f"needs {gib(need)}"
     best = max(fresh, key=lambda b: (b.figures.schedulable, -b.reading.index))
     details: dict[str, Any] = {"need": need, "need_gpus": request.gpus, **_figures(best)}
     if len(fresh) > 1:

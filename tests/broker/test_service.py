@@ -364,6 +364,16 @@ async def test_cpu_and_memory_beyond_what_is_left_are_refused_with_figures(make_
     assert too_many.code is FailureCode.CAPABILITY_UNAVAILABLE
 
 
+async def test_an_exclusive_request_on_a_gpu_with_a_lease_says_what_holds_it_and_that_it_needs_the_whole_gpu(
+    make_node: Callable[..., Any],
+) -> None:
+    node = await make_node()
+    lease, _ = await node.ask(gpu_memory="1GiB")
+    error = await node.refused(exclusive=True)
+    assert error.code is FailureCode.LEASE_CONFLICT
+    assert error.message.endswith(f"held by {lease['id']}; needs the whole GPU"), error.message
+
+
 async def test_a_renewal_the_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, token = await node.ask(gpu_memory="1GiB", ttl="4s")
