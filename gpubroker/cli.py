@@ -488,6 +488,7 @@ def _print_leases(leases: list[dict[str, Any]]) -> None:
     for lease in leases:
         gpus = ",".join(f"{g['index']}:{gib(g['bytes'])}" for g in lease.get("gpus", [])) or "-"
         if lease["state"] == "queued":
+            gpus = _asked_gpus(lease.get("request") or {})
             tail = f"position {lease['position']}: {lease['reason']}"
         elif lease["state"] == "granted":
             tail = lease["expires_at"]
@@ -497,6 +498,14 @@ def _print_leases(leases: list[dict[str, Any]]) -> None:
     widths = [max(len(row[column]) for row in rows) for column in range(5)]
     for row in rows:
         print("  ".join(f"{cell:{width}}" for cell, width in zip(row, widths, strict=False)) + f"  {row[5]}")
+
+
+def _asked_gpus(request: dict[str, Any]) -> str:
+    """What a waiting request asks of GPUs, as the table shows a lease's: `2x18.0` (any two), `1:18.0` (pinned), `-`."""
+    if not request.get("gpus"):
+        return "-"
+    each = "whole" if request.get("exclusive") else gib(request.get("gpu_memory") or 0)
+    return f"{request['gpu']}:{each}" if request.get("gpu") is not None else f"{request['gpus']}x{each}"
 
 
 def cmd_release(args: argparse.Namespace) -> int:

@@ -139,6 +139,22 @@ def test_leases_shows_long_holder_names_and_many_gpus_whole_with_every_column_al
     assert {line.index("2026-11-30T10:05:00.000Z") for line in lines[1:]} == {lines[0].index("EXPIRES / REASON")}
 
 
+def test_leases_shows_what_a_waiting_request_asks_of_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    def waiting(**request: Any) -> dict[str, Any]:
+        asked = {"gpu_memory": 0, "gpus": 0, "exclusive": False, "gpu": None, "cpu_cores": 0, "memory": 0, **request}
+        return {"id": "l-w", "state": "queued", "priority": "background", "holder": {"name": "w"}, "position": 1,
+                "reason": "...", "request": asked}  # fmt: skip
+
+    for request, shown in (
+        ({"gpus": 2, "gpu_memory": 18 * 2**30}, "2x18.0"),  # not "-", which reads as a request for no GPU
+        ({"gpus": 1, "gpu_memory": 2**30, "gpu": 1}, "1:1.0"),
+        ({"gpus": 1, "exclusive": True}, "1xwhole"),
+        ({"cpu_cores": 1}, "-"),
+    ):
+        cli._print_leases([waiting(**request)])
+        assert capsys.readouterr().out.splitlines()[1].split()[4] == shown
+
+
 def test_every_subcommands_help_says_what_it_does_and_what_each_of_its_arguments_is() -> None:
     top = cli.parser()
     commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
