@@ -699,7 +699,7 @@ def cmd_self_check(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gpubroker", description="Leases on GPU memory, whole GPUs, CPU cores and host memory.")
     top.add_argument("--version", action="version", version=f"gpubroker {__version__}")
-    sub = top.add_subparsers(dest="command_name", required=True)
+    sub = top.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
 
     def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
         """A subcommand whose own --help says what it does, as the list of commands does."""

@@ -167,6 +167,17 @@ def test_every_subcommands_help_says_what_it_does_and_what_each_of_its_arguments
     assert "CUDA_VISIBLE_DEVICES" in lease
 
 
+def test_gpubroker_without_a_command_or_with_a_mistyped_one_names_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, said in (([], "the following arguments are required: COMMAND"), (["leas"], "invalid choice: 'leas'")):
+        with pytest.raises(SystemExit) as usage:
+            cli.main(argv)
+        assert usage.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err
+        assert "command_name" not in err  # a name inside the code, which tells a user nothing
+        assert "usage: gpubroker [-h] [--version] COMMAND ..." in err
+
+
 def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
     remote = Client(Endpoint("http://10.233.0.2:9740"))
     remote.token = "SECRET-API-TOKEN"
