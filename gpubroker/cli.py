@@ -224,6 +224,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
                     print(f"export {key}={value}")
             sys.stdout.flush()
         except OSError as error:  # nobody got the lease's token: it goes, rather than live out its TTL unknown
+            _drop_output()  # what could not be written is said once, here, not again when the exit flushes it
             with contextlib.suppress(ClientError):
                 client.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})
             print(
@@ -868,12 +869,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `gpubroker events | head`: the reader has all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        _drop_output()
         return 128 + signal.SIGPIPE
     except OSError as error:  # the output cannot be written: a full disk, say
         with contextlib.suppress(OSError):
             print(f"gpubroker: the output could not be written: {error.strerror or error}", file=sys.stderr)
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        _drop_output()
         return 1
     return code
+
+
+def _drop_output() -> None:
+    """Standard output goes to /dev/null: what is still buffered for it, kept after a write that failed, is flushed
+    there, so the same failure is not met again (and said again) when the output is next flushed or at exit."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

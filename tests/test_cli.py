@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -176,6 +178,35 @@ def test_gpubroker_without_a_command_or_with_a_mistyped_one_names_the_commands(c
         assert said in err
         assert "command_name" not in err  # a name inside the code, which tells a user nothing
         assert "usage: gpubroker [-h] [--version] COMMAND ..." in err
+
+
+def test_a_printed_lease_that_cannot_be_written_is_released_and_said_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the built binary's standard output does, /dev/full keeps what it could not write and fails each flush again:
+    the failure is said once, by `lease`, not a second time by the flush at the end."""
+    calls: list[tuple[str, str]] = []
+
+    class Broker:
+        def __init__(self, timeout: float | None = None) -> None: ...
+
+        def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+            calls.append((method, path))
+            lease = {"id": "l-1", "gpus": [], "epoch": 1, "expires_at": "…", "token": "t", "env": {"GPUBROKER_LEASE": "l-1"}}
+            return {"lease": lease}
+
+    monkeypatch.setattr(cli, "Client", Broker)
+    full = open("/dev/full", "w", buffering=1 << 16)  # closed below, once main has run
+    monkeypatch.setattr(sys, "stdout", full)
+    try:
+        assert cli.main(["lease", "--cpu-cores", "1"]) == 1
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):
+            full.close()
+    assert calls == [("POST", "/v1/leases"), ("DELETE", "/v1/leases/l-1")]
+    said = capsys.readouterr().err.splitlines()
+    assert said == ["gpubroker: lease l-1 is released again: it could not be written out (No space left on device)"]
 
 
 def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
