@@ -125,6 +125,19 @@ def gib(size: int | None) -> str:
     return f"{size / 2**30:.1f}"
 
 
+def short_by(need: int, have: int) -> str:
+    """What a refusal adds to `needs {gib(need)}` when one decimal shows the need and what is left alike
+    ("17.0 schedulable; needs 17.0"): by how much it falls short, so the message says why."""
+    if need <= have or gib(need) != gib(have):
+        return ""
+    short = need - have
+    return (
+        f" ({-(-short // 2**20)} MiB more than the {gib(have)} left)"
+        if short >= 2**20
+        else f" ({short} bytes more than the {gib(have)} left)"
+    )
+
+
 # C0 and C1 control characters (DEL among them), and what reorders or hides text around it where it is shown: the
 # bidirectional marks, embeddings, overrides and isolates, zero-width characters and the line and paragraph separators.
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")

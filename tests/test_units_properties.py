@@ -11,7 +11,19 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gpubroker.ui.openapi import OPENAPI
-from gpubroker.units import CONTROL, MAX_BYTES, MAX_SECONDS, UnitError, parse_duration, parse_size, parse_time, printable_text, rfc3339
+from gpubroker.units import (
+    CONTROL,
+    MAX_BYTES,
+    MAX_SECONDS,
+    UnitError,
+    gib,
+    parse_duration,
+    parse_size,
+    parse_time,
+    printable_text,
+    rfc3339,
+    short_by,
+)
 
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -334,3 +346,15 @@ def test_printable_text_writes_control_characters_as_their_escapes() -> None:
     # What reorders or hides the text shown beside it (a name's right-to-left override turned "15.0" into "0.51").
     assert printable_text("job\u202e 15.0\u2028\u200b\u2066") == "job\\u202e 15.0\\u2028\\u200b\\u2066"
     assert printable_text("naïve café 中文 \u00ad") == "naïve café 中文 \u00ad"  # letters and a soft hyphen stay
+
+
+@given(st.integers(0, 2**50), st.integers(0, 2**50))
+@example(17 * 2**30 + 20 * 2**20, 17 * 2**30 + 10 * 2**20)
+@example(2**30 + 5, 2**30)
+def test_a_refusal_says_by_how_much_a_need_falls_short_exactly_when_the_figures_read_alike(need: int, have: int) -> None:
+    said = short_by(need, have)
+    assert bool(said) == (need > have and gib(need) == gib(have))
+    if said:
+        amount = int(said.split()[0].lstrip("("))
+        unit = 2**20 if " MiB " in said else 1
+        assert amount * unit >= need - have > (amount - 1) * unit

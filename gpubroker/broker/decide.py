@@ -9,7 +9,7 @@ from typing import Any
 from gpubroker.broker.budget import Budget
 from gpubroker.broker.request import LeaseRequest
 from gpubroker.errors import FailureCode, Refusal
-from gpubroker.units import gib
+from gpubroker.units import gib, short_by
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +73,10 @@ def _host_refusal(request: LeaseRequest, host: HostBudget) -> Refusal | None:
         if need > total:
             return Refusal(FailureCode.CAPABILITY_UNAVAILABLE, f"{what}: this node has {show(total)} in all; needs {show(need)}", details)
         if need > total - leased:
+            short = short_by(need, total - leased) if in_bytes else ""
             return Refusal(
                 FailureCode.LEASE_CONFLICT,
-                f"{what}: {show(total)} in all, {show(leased)} leased → {show(max(0, total - leased))} schedulable; needs {show(need)}",
+                f"{what}: {show(total)} in all, {show(leased)} leased → {show(max(0, total - leased))} schedulable; needs {show(need)}{short}",
                 details,
             )
     return None
@@ -141,8 +142,8 @@ def place(
 
 def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]) -> Refusal:
     need = request.gpu_memory
-    needs = "needs the whole GPU" if request.exclusive else f"needs {gib(need)}"
     best = max(fresh, key=lambda b: (b.figures.schedulable, -b.reading.index))
+    needs = "needs the whole GPU" if request.exclusive else f"needs {gib(need)}{short_by(need, best.figures.schedulable)}"
     details: dict[str, Any] = {"need": need, "need_gpus": request.gpus, **_figures(best)}
     if len(fresh) > 1:
         details["considered"] = [_figures(b) for b in fresh]
@@ -162,7 +163,7 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]
     if code is FailureCode.EXTERNAL_GPU_PRESSURE:
         message += " (external usage has grown into leased or reserved memory)"
     if request.gpus > 1:
-        message += f"; needs {request.gpus} GPUs with {gib(need)} each"
+        message += f"; needs {request.gpus} GPUs with {gib(need)} each{short_by(need, best.figures.schedulable)}"
     else:
         message += f"; {needs}"
     return Refusal(code, message, details)

@@ -25,6 +25,7 @@ from gpubroker.config import Config, Stamp
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, NotFound, StoreFull
 from gpubroker.units import parse_time, rfc3339
 
+MIB = 2**20
 TCP = Caller("tcp")
 ME = Caller("unix", uid=os.getuid(), pid=os.getpid())
 
@@ -117,6 +118,15 @@ async def test_a_request_beyond_schedulable_is_refused_naming_the_figures(make_n
     assert error.details["need"] == 18 * GIB
     assert error.details["figures"]["schedulable"] == 17 * GIB
     assert (await node.events("lease.refused"))[-1]["code"] == "INSUFFICIENT_SCHEDULABLE_VRAM"
+
+
+async def test_a_near_miss_says_by_how_much_when_the_figures_read_alike(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.probe.external(0, 6 * GIB - 10 * MIB)  # 17 GiB and 10 MiB schedulable: "17.0"
+    await node.sample()
+    error = await node.refused(gpu_memory=f"{17 * 1024 + 20}MiB")  # "17.0" too
+    assert error.message.endswith("→ 17.0 schedulable; needs 17.0 (10 MiB more than the 17.0 left)")
+    assert (await node.refused(gpu_memory="18GiB")).message.endswith("→ 17.0 schedulable; needs 18.0")  # told apart already
 
 
 async def test_a_gpu_pinned_by_its_index_as_a_string_is_that_gpu(make_node: Callable[..., Any]) -> None:
