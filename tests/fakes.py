@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError
+from gpubroker.broker.probes import GpuProcess, GpuReading, GpusUnreadable, ProbeError, UnreadableGpu
 
 GIB = 2**30
 
@@ -31,7 +31,7 @@ class FakeClock:
 
 @dataclass
 class FakeGpuProbe:
-    """GPUs of given sizes; `external` sets what other processes use; `error` makes sampling fail."""
+    """GPUs of given sizes; `external` sets what other processes use; `error` makes sampling fail, `unreadable` one GPU's."""
 
     clock: FakeClock
     sizes: list[int] = field(default_factory=lambda: [24 * GIB])
@@ -39,6 +39,7 @@ class FakeGpuProbe:
     error: str | None = None
     processes_listed: bool = True
     uuids: list[str] | None = None  # each GPU's UUID, by index; GPU-fake-<index> unless given
+    unreadable: dict[int, str] = field(default_factory=dict)  # GPUs by index that the driver cannot read, and why
     closed: bool = False  # whether the broker let the probe go
 
     def external(self, index: int, size: int, name: str = "ollama", pid: int = 900001) -> None:
@@ -52,11 +53,16 @@ class FakeGpuProbe:
     def sample(self) -> list[GpuReading]:
         if self.error is not None:
             raise ProbeError(self.error)
-        readings = []
+        readings, unreadable = [], []
         for index, total in enumerate(self.sizes):
+            uuid = self.uuids[index] if self.uuids else f"GPU-fake-{index}"
+            if index in self.unreadable:
+                unreadable.append(UnreadableGpu(index, uuid, self.unreadable[index]))
+                continue
             listed = tuple(self.processes.get(index, []))
             used = min(total, sum(p.bytes or 0 for p in listed))
-            uuid = self.uuids[index] if self.uuids else f"GPU-fake-{index}"
             reading = GpuReading(index, uuid, "NVIDIA GeForce RTX 4090", total, used, self.clock.now(), listed)
             readings.append(reading if self.processes_listed else replace(reading, processes=None))
+        if unreadable:
+            raise GpusUnreadable(readings, unreadable)
         return readings

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpubroker.broker.budget import Budget
+from gpubroker.broker.probes import UnreadableGpu
 from gpubroker.broker.request import LeaseRequest
 from gpubroker.errors import FailureCode, Refusal
 from gpubroker.units import gib, short_by
@@ -91,8 +92,10 @@ def place(
     staleness: float,
     blocked: Collection[int] = (),
     driver_error: str | None = None,
+    unreadable: Sequence[UnreadableGpu] = (),
 ) -> Placement | Refusal:
-    """Where the request fits now; `blocked` accelerators are claimed by requests waiting ahead of it."""
+    """Where the request fits now; `blocked` accelerators are claimed by requests waiting ahead of it; `unreadable`
+    ones are listed by the driver but cannot be read, so nothing is placed on them."""
     refusal = _host_refusal(request, host)
     if refusal is not None:
         return refusal
@@ -101,6 +104,16 @@ def place(
     if driver_error is not None:
         return Refusal(FailureCode.DRIVER_ERROR, f"GPUs cannot be read: {driver_error}", {"driver_error": driver_error})
     usable = candidates(request, budgets)
+    unread = [u for u in unreadable if request.gpu is None or request.gpu in (u.index, u.uuid)]
+    if request.gpu is not None and unread and not usable:
+        gpu = unread[0]
+        return Refusal(
+            FailureCode.DRIVER_ERROR,
+            f"{gpu.label()} cannot be read: {gpu.error}; it is not offered until it can be read again",
+            {"gpu": gpu.uuid, "index": gpu.index, "driver_error": gpu.error, "unreadable": [gpu.to_json()]},
+        )
+    if unread and request.gpus > len(usable):  # the cards that cannot be read might have served it
+        return _unreadable_refusal(f"{request.gpus} GPUs asked for; {len(usable)} can be read", unread)
     if request.gpu is not None and not usable:
         gpus = ", ".join(f"{b.reading.index} ({b.reading.uuid})" for b in budgets) or "none"
         return Refusal(FailureCode.CAPABILITY_UNAVAILABLE, f"no GPU {request.gpu!r} on this node; it has: {gpus}", {"gpu": request.gpu})
@@ -115,6 +128,12 @@ def place(
         largest = max(usable, key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index))
         most = largest.figures.total - largest.figures.reserve
         asked = "the whole GPU" if request.exclusive else f"{gib(request.gpu_memory)} GiB"
+        if unread:  # what a card that cannot be read could lease is not known: it is no reason to give up waiting
+            return _unreadable_refusal(
+                f"{asked} asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
+                f"the largest that can be read, {largest.label()}, can lease at most {gib(max(0, most))} GiB",
+                unread,
+            )
         return Refusal(
             FailureCode.CAPABILITY_UNAVAILABLE,
             f"{asked} asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
@@ -137,7 +156,18 @@ def place(
         # Best fit: the fullest accelerator that still fits keeps large holes for large requests.
         fitting.sort(key=lambda item: (item[0].figures.schedulable, item[0].reading.index))
         return Placement(tuple((b.reading.index, room) for b, room in fitting[: request.gpus]))
-    return _refuse(request, fresh, blocked)
+    refusal = _refuse(request, fresh, blocked)
+    if unread:  # decided on the cards that can be read; the others are named, since they might have served it
+        unreadable_json = [u.to_json() for u in unread]
+        cannot = "; ".join(f"{u.label()} cannot be read" for u in unread)
+        return Refusal(refusal.code, f"{refusal.message}; {cannot}", {**refusal.details, "unreadable": unreadable_json})
+    return refusal
+
+
+def _unreadable_refusal(what: str, unread: Sequence[UnreadableGpu]) -> Refusal:
+    """A request that only cards the driver cannot read could serve: a fault of the driver, not a lack of room."""
+    why = "; ".join(f"{u.label()} cannot be read: {u.error}" for u in unread)
+    return Refusal(FailureCode.DRIVER_ERROR, f"{what}; {why}", {"driver_error": why, "unreadable": [u.to_json() for u in unread]})
 
 
 def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]) -> Refusal:

@@ -1,19 +1,23 @@
 """GPU readings through NVML (the `nvidia-ml-py` bindings, module `pynvml`).
 
 Every fault of the driver or the bindings leaves `sample()` as a `ProbeError`
-(no driver, a lost GPU, bindings not installed): the broker then refuses GPU
-requests with `DRIVER_ERROR` and keeps brokering CPU cores and host memory.
+(no driver, NVML failing to start or to count the GPUs, bindings not installed):
+the broker then refuses GPU requests with `DRIVER_ERROR` and keeps brokering CPU
+cores and host memory. A fault of one GPU's calls (`GPU_IS_LOST`: a card fallen
+off the bus) leaves that GPU alone unread: `GpusUnreadable` carries the
+readings of the others, which the broker goes on brokering.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError, describe_process
+from gpubroker.broker.probes import GpuProcess, GpuReading, GpusUnreadable, ProbeError, UnreadableGpu, describe_process
 
 # NVML_VALUE_NOT_AVAILABLE as an unsigned long long: the driver lists the process but not its
 # memory (WDDM, some containers). Current bindings turn it into None, older ones pass it through.
@@ -33,7 +37,8 @@ class NvmlProbe:
         self._lock = threading.Lock()  # sample() and close() may be called from different threads
 
     def sample(self) -> list[GpuReading]:
-        """One reading per GPU, or `ProbeError`; NVML is initialised at the first success."""
+        """One reading per GPU, or `ProbeError` (`GpusUnreadable` when some GPUs alone cannot be read); NVML is
+        initialised at the first success."""
         with self._lock:
             if self._nvml is None:
                 try:
@@ -47,10 +52,28 @@ class NvmlProbe:
             now = self._clock()
             count = int(self._call("nvmlDeviceGetCount", None))
             readings: list[GpuReading] = []
+            unreadable: list[UnreadableGpu] = []
             for gpu in range(count):
-                handle = self._call("nvmlDeviceGetHandleByIndex", gpu, gpu)
-                # Accelerators are numbered in NVML's order, a GPU in MIG mode by its MIG devices.
-                readings += [self._read(len(readings) + n, gpu, device, now) for n, device in enumerate(self._devices(gpu, handle))]
+                # Accelerators are numbered in NVML's order, a GPU in MIG mode by its MIG devices; one that cannot
+                # be read keeps its place, so the cards after it keep their numbers.
+                try:
+                    handle = self._call("nvmlDeviceGetHandleByIndex", gpu, gpu)
+                except ProbeError as error:
+                    unreadable.append(self._unreadable(len(readings) + len(unreadable), gpu, None, error))
+                    continue
+                try:
+                    devices = self._devices(gpu, handle)
+                except ProbeError as error:
+                    unreadable.append(self._unreadable(len(readings) + len(unreadable), gpu, handle, error))
+                    continue
+                for device in devices:
+                    index = len(readings) + len(unreadable)
+                    try:
+                        readings.append(self._read(index, gpu, device, now))
+                    except ProbeError as error:
+                        unreadable.append(self._unreadable(index, gpu, device, error))
+            if unreadable:
+                raise GpusUnreadable(readings, unreadable)
             return readings
 
     def close(self) -> None:
@@ -100,6 +123,18 @@ class NvmlProbe:
             observed_at=now,
             processes=self._processes(gpu, handle),
         )
+
+    def _unreadable(self, index: int, gpu: int, handle: Any, error: ProbeError) -> UnreadableGpu:
+        """One GPU's fault, the others read on; a fault of the driver as a whole stops the sample."""
+        nvml = self._nvml
+        whole = (nvml.NVMLError_LibraryNotFound, nvml.NVMLError_DriverNotLoaded, nvml.NVMLError_Uninitialized)
+        if isinstance(error.__cause__, whole):
+            raise error
+        uuid = None
+        if handle is not None:
+            with contextlib.suppress(ProbeError):  # a card fallen off the bus may not even say its UUID
+                uuid = _text(self._call("nvmlDeviceGetUUID", gpu, handle))
+        return UnreadableGpu(index, uuid, str(error))
 
     def _processes(self, index: int, handle: Any) -> tuple[GpuProcess, ...] | None:
         nvml = self._nvml

@@ -3,11 +3,15 @@
 A probe's `sample()` is blocking and runs in a thread, never on the event loop.
 It returns one `GpuReading` per accelerator or raises `ProbeError` (no driver,
 an unreadable file): the broker then refuses GPU requests with `DRIVER_ERROR`
-and goes on brokering CPU cores and host memory.
+and goes on brokering CPU cores and host memory. When only some accelerators
+cannot be read (a card fallen off the bus), it raises `GpusUnreadable`, a
+`ProbeError` that carries the readings of the others: the broker goes on
+brokering those, and offers none of the unreadable ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -15,7 +19,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 
@@ -24,6 +28,21 @@ from gpubroker.units import UnitError, parse_size, printable_text
 
 class ProbeError(Exception):
     """The accelerators cannot be read: no driver, a driver fault, a broken simulation file."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableGpu:
+    """An accelerator the driver lists but cannot read now (a card fallen off the bus, Xid 79)."""
+
+    index: int  # its place in the numbering of accelerators, which the others keep
+    uuid: str | None  # None: not even its handle could be had, so nothing says which card it is
+    error: str  # the driver's fault, naming the function and the driver's own number of the GPU
+
+    def label(self) -> str:
+        return f"GPU {self.index} ({self.uuid or 'UUID unknown'})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "uuid": self.uuid, "error": self.error}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +68,15 @@ class GpuReading:
     observed_at: float  # Unix time of the reading
     # None: the driver cannot list processes on this GPU; their memory is then unattributed.
     processes: tuple[GpuProcess, ...] | None = field(default=())
+
+
+class GpusUnreadable(ProbeError):
+    """Some accelerators cannot be read; `readings` holds those that could, `unreadable` the others."""
+
+    def __init__(self, readings: list[GpuReading], unreadable: list[UnreadableGpu]) -> None:
+        super().__init__("; ".join(f"{gpu.label()} cannot be read: {gpu.error}" for gpu in unreadable))
+        self.readings = readings
+        self.unreadable = unreadable
 
 
 class GpuProbe(Protocol):
@@ -79,6 +107,7 @@ class _SimGpu:
     name: str
     memory: int
     uuid: str
+    unreadable: str | None = None  # why the driver cannot read it, as a card fallen off the bus
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +149,7 @@ def parse_gpu_file(text: str, source: str) -> tuple[list[_SimGpu], list[_SimProc
                     str(table.get("name", DEFAULT_SIM_NAME)),
                     parse_size(table["memory"]),
                     str(table.get("uuid", f"GPU-sim-{index}")),
+                    None if table.get("unreadable") is None else str(table["unreadable"]),
                 )
             )
         for index, card in enumerate(gpus):
@@ -149,7 +179,8 @@ class SimulatedProbe:
         self._path: Path | None = path if path.suffix == ".toml" or path.exists() else None
         self._gpus: list[_SimGpu] = [] if self._path else parse_gpu_spec(spec_or_file)
         if self._path:
-            self.sample()  # a broken file is an error at start, not a surprise later
+            with contextlib.suppress(GpusUnreadable):  # a GPU the file says cannot be read is no fault of the file
+                self.sample()  # a broken file is an error at start, not a surprise later
 
     def sample(self) -> list[GpuReading]:
         gpus, processes = self._gpus, list[_SimProcess]()
@@ -160,11 +191,16 @@ class SimulatedProbe:
                 raise ProbeError(f"{self._path}: {error.strerror}") from None
             gpus, processes = parse_gpu_file(text, str(self._path))
         now = self._clock()
-        readings = []
+        readings, unreadable = [], []
         for index, gpu in enumerate(gpus):
+            if gpu.unreadable is not None:
+                unreadable.append(UnreadableGpu(index, gpu.uuid, f"simulated: {gpu.unreadable}"))
+                continue
             mine = tuple(_simulated_process(p) for p in processes if p.gpu == index)
             used = sum(p.used for p in processes if p.gpu == index)
             readings.append(GpuReading(index, gpu.uuid, gpu.name, gpu.memory, min(used, gpu.memory), now, mine))
+        if unreadable:
+            raise GpusUnreadable(readings, unreadable)
         return readings
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from gpubroker.broker import holders
 from gpubroker.broker.budget import Budget, GpuLeases, compute_budget, compute_budgets, leases_by_gpu, over_declared
 from gpubroker.broker.decide import HostBudget, Placement, candidates, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token
-from gpubroker.broker.probes import GpuProbe, GpuReading, HostReading, ProbeError, sample_host
+from gpubroker.broker.probes import GpuProbe, GpuReading, GpusUnreadable, HostReading, ProbeError, UnreadableGpu, sample_host
 from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
 from gpubroker.config import CLASSES, Config
@@ -206,6 +206,9 @@ class Broker:
         self.readings: list[GpuReading] = []
         self.host = HostReading(1, 0)
         self.driver_error: str | None = None
+        # Accelerators the driver lists but cannot read (the others are read): none is offered, their leases stay.
+        # Kept through a fault of the whole driver, so coming back from one says only what changed.
+        self.unreadable: list[UnreadableGpu] = []
         self.stats = Stats()
         self.refusals = RefusalBudget(self.clock.now)
         self.start_warning: str | None = None  # what `gpubroker up` should say beside "ready"
@@ -378,19 +381,29 @@ class Broker:
     async def sample(self) -> None:
         """Read the GPUs and the host (in a thread of its own), then act on what changed."""
 
-        def read() -> tuple[list[GpuReading] | None, str | None, HostReading]:
+        def read() -> tuple[list[GpuReading] | None, str | None, HostReading, list[UnreadableGpu]]:
             try:
-                return self.probe.sample(), None, sample_host()
+                return self.probe.sample(), None, sample_host(), []
+            except GpusUnreadable as some:  # the GPUs that can be read are still brokered
+                return some.readings, None, sample_host(), some.unreadable
             except ProbeError as error:
-                return None, str(error), sample_host()
+                return None, str(error), sample_host(), []
 
-        readings, error, host = await _in_daemon_thread(read)
-        self.apply_sample(readings, error, host)
+        readings, error, host, unreadable = await _in_daemon_thread(read)
+        self.apply_sample(readings, error, host, unreadable)
 
-    def apply_sample(self, readings: list[GpuReading] | None, error: str | None, host: HostReading | None = None) -> None:
-        """Take a reading: pressure, over-use and reclaim events, then grant waiters the room that appeared."""
+    def apply_sample(
+        self,
+        readings: list[GpuReading] | None,
+        error: str | None,
+        host: HostReading | None = None,
+        unreadable: list[UnreadableGpu] | None = None,
+    ) -> None:
+        """Take a reading (`unreadable`: the GPUs the driver lists but cannot read): pressure, over-use, reclaim and
+        missing-GPU events, then grant waiters the room that appeared."""
         if host is not None:
             self.host = host
+        said_before = self._sampled  # the log says what changed (the first reading's state is in the ready line)
         if error != self.driver_error:
             if error is not None:
                 said = f"GPUs cannot be read: {error}"
@@ -460,22 +473,55 @@ class Broker:
                             details={"bytes": held, "pids": sorted(reclaim.pids)},
                         )
                     )
-        if readings is not None:
-            writes += self._missing_gpus({r.uuid: r.index for r in readings})
+        if readings is not None:  # a fault of the whole driver says nothing of any one card
+            writes += self._missing_gpus({r.uuid: r.index for r in readings}, unreadable or [], log=said_before)
         self._record(*writes)
         self._scan()
 
-    def _missing_gpus(self, seen: dict[str, int]) -> list[Write]:
-        """Events for the cards that leases hold and the driver stopped listing (or lists again): their
-        leases stay, counted on no other card, since their room was on that card alone."""
-        missing = {uuid for uuid, on in self._on_gpu.items() if on.held and uuid not in seen}
+    def _missing_gpus(self, seen: dict[str, int], unreadable: list[UnreadableGpu], log: bool = True) -> list[Write]:
+        """Events for the cards not offered, once each time it changes: a card the driver lists but cannot read
+        (`gpu.unreadable`, leased or not), a card that leases hold and the driver stopped listing (`gpu.missing`),
+        and each once it is back (`gpu.readable`, `gpu.found`). Their leases stay, counted on no other card, since
+        their room was on that card alone."""
+        unread_uuids = {gpu.uuid for gpu in unreadable if gpu.uuid is not None}
+        unknown = [gpu for gpu in unreadable if gpu.uuid is None]  # any lease's card may be one of these
+        missing = {uuid for uuid, on in self._on_gpu.items() if on.held and uuid not in seen and uuid not in unread_uuids}
         writes = []
+        said: list[str] = []
+        for gpu in unreadable:
+            if any(_same_card(gpu, before) for before in self.unreadable):
+                continue  # said when it became unreadable; its error may have changed since, its state not
+            message = f"{gpu.label()} cannot be read: {gpu.error}; it is not offered"
+            details: dict[str, Any] = gpu.to_json()
+            on = self._on_gpu.get(gpu.uuid) if gpu.uuid is not None else None
+            if on is not None and on.held:
+                message += (
+                    f", and leases {', '.join(sorted(on.held))} hold {gib(on.declared)} GiB on it "
+                    "and stay until released or expired, counted on no other GPU"
+                )
+                details.update(leases=sorted(on.held), bytes=on.declared)
+            else:
+                message += " until it can be read again"
+            writes.append(self._event("gpu.unreadable", message, code=FailureCode.DRIVER_ERROR, gpu=gpu.uuid, details=details))
+            said.append(message)
+        for before in self.unreadable:
+            if any(_same_card(gpu, before) for gpu in unreadable):
+                continue
+            now_read = before.uuid if before.uuid is not None else next((u for u, i in seen.items() if i == before.index), None)
+            if now_read is None or now_read not in seen:
+                continue  # no longer listed at all: nothing can be said of it being read
+            message = f"{before.label()} can be read again, as GPU {seen[now_read]} ({now_read})"
+            writes.append(self._event("gpu.readable", message, gpu=now_read, details={"index": seen[now_read], "uuid": now_read}))
+            said.append(message)
         for uuid in sorted(missing - self._missing):
             on = self._on_gpu[uuid]
+            why = "is no longer listed by the driver"
+            if unknown:  # it may be the card that cannot say its UUID
+                why = f"is not among the GPUs read ({'; '.join(f'{gpu.label()} cannot be read: {gpu.error}' for gpu in unknown)})"
             writes.append(
                 self._event(
                     "gpu.missing",
-                    f"{uuid} is no longer listed by the driver; leases {', '.join(sorted(on.held))} hold {gib(on.declared)} GiB on it "
+                    f"{uuid} {why}; leases {', '.join(sorted(on.held))} hold {gib(on.declared)} GiB on it "
                     "and stay until released or expired, counted on no other GPU",
                     gpu=uuid,
                     details={"leases": sorted(on.held), "bytes": on.declared},
@@ -484,6 +530,10 @@ class Broker:
         for uuid in sorted((self._missing - missing) & seen.keys()):
             writes.append(self._event("gpu.found", f"{uuid} is listed by the driver again, as GPU {seen[uuid]}", gpu=uuid))
         self._missing = missing
+        self.unreadable = list(unreadable)
+        if log:
+            for line in said:
+                log_line(line)
         return writes
 
     # ----- the figures ----------------------------------------------------
@@ -550,6 +600,16 @@ class Broker:
         now = self.clock.now()
         return any(self.is_stale(budget, now) for budget in self.budgets())
 
+    def unreadable_json(self) -> list[dict[str, Any]]:
+        """The GPUs the driver lists but cannot read, with why and the leases that stay on them (none while the
+        driver as a whole cannot be read: `driver_error` says it for every GPU)."""
+        if self.driver_error is not None:
+            return []
+        return [
+            {**gpu.to_json(), "leases": sorted(on.held) if gpu.uuid is not None and (on := self._on_gpu.get(gpu.uuid)) else []}
+            for gpu in self.unreadable
+        ]
+
     def node_json(self) -> dict[str, Any]:
         now = self.clock.now()
         return {
@@ -561,6 +621,7 @@ class Broker:
             },
             "gpus": [self._gpu_json(budget, now) for budget in self.budgets()],
             "driver_error": self.driver_error,
+            "unreadable_gpus": self.unreadable_json(),
             **self.host_budget().to_json(),
             "queue": {name: sum(1 for w in self.waiters if w.request.priority == name) for name in CLASSES},
         }
@@ -675,6 +736,7 @@ class Broker:
             staleness=self.config.staleness,
             blocked=blocked,
             driver_error=self.driver_error,
+            unreadable=self.unreadable,
         )
 
     def _claimed_ahead(self, waiter: Waiter) -> set[int]:
@@ -1228,3 +1290,10 @@ class Broker:
                 event["time"] = rfc3339(event["time"])
         # past the newest, `next` is the newest: a client resuming from it misses nothing that comes later
         return events, events[-1]["seq"] if events else min(after, self._event_seq)
+
+
+def _same_card(one: UnreadableGpu, other: UnreadableGpu) -> bool:
+    """Whether two faults are of one card: the same UUID, or the same place where a UUID is not known."""
+    if one.uuid is not None and other.uuid is not None:
+        return one.uuid == other.uuid
+    return one.index == other.index

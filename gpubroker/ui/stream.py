@@ -37,6 +37,8 @@ EVENT_TYPES = (
     "gpu.missing",
     "gpu.pressure.started",
     "gpu.pressure.ended",
+    "gpu.readable",
+    "gpu.unreadable",
     "lease.queued",
     "lease.granted",
     "lease.refused",

@@ -16,10 +16,12 @@ from fake_pynvml import GIB, VANISHED_PID, FakeGpu, FakeNvml
 
 from gpubroker.broker.nvml import CLOSE_WAIT as NVML_CLOSE_WAIT
 from gpubroker.broker.nvml import NvmlProbe
-from gpubroker.broker.probes import GpuProcess, GpuReading, ProbeError
-from gpubroker.broker.service import Broker
+from gpubroker.broker.probes import GpuProcess, GpuReading, GpusUnreadable, ProbeError, UnreadableGpu
+from gpubroker.broker.request import parse_request
+from gpubroker.broker.service import Broker, Caller
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
+from gpubroker.errors import FailureCode, Refusal
 
 NOW = 1_700_000_000.5
 
@@ -179,29 +181,72 @@ def test_compute_and_graphics_lists_are_merged_by_pid() -> None:
     assert len(reading.processes) == 5
 
 
-def test_a_lost_gpu_is_a_probe_error_naming_it() -> None:
-    nvml = FakeNvml([FakeGpu(), FakeGpu(lost=True)])
+def test_a_lost_gpu_is_left_unread_naming_it_and_the_others_are_read() -> None:
+    """A card fallen off the bus (Xid 79) is NVML's GPU_IS_LOST on every call naming it, from its handle on: its
+    UUID is unknown, and it keeps its place so the cards after it keep their numbers."""
+    nvml = FakeNvml([FakeGpu(uuid="GPU-aaaa", used=GIB), FakeGpu(uuid="GPU-bbbb", lost=True), FakeGpu(uuid="GPU-cccc")])
 
-    with pytest.raises(ProbeError, match=r"^nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost") as caught:
+    with pytest.raises(GpusUnreadable) as caught:
         probe(nvml).sample()
 
-    assert isinstance(caught.value.__cause__, pynvml.NVMLError_GpuIsLost)
+    assert [(r.index, r.uuid, r.used) for r in caught.value.readings] == [(0, "GPU-aaaa", GIB), (2, "GPU-cccc", 0)]
+    [lost] = caught.value.unreadable
+    assert lost == UnreadableGpu(1, None, "nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost (NVML error 15)")
+    assert str(caught.value) == "GPU 1 (UUID unknown) cannot be read: nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost (NVML error 15)"
+    assert isinstance(caught.value, ProbeError)  # to a caller that reads all or nothing, it is still a fault
 
 
 @pytest.mark.parametrize(
     ("function", "code", "says"),
     [
         ("nvmlDeviceGetMemoryInfo", pynvml.NVML_ERROR_UNKNOWN, "Unknown Error"),
-        ("nvmlDeviceGetUUID", pynvml.NVML_ERROR_GPU_IS_LOST, "GPU is lost"),
+        ("nvmlDeviceGetName", pynvml.NVML_ERROR_GPU_IS_LOST, "GPU is lost"),
         ("nvmlDeviceGetComputeRunningProcesses", pynvml.NVML_ERROR_TIMEOUT, "Timeout"),
         ("nvmlDeviceGetGraphicsRunningProcesses", pynvml.NVML_ERROR_RESET_REQUIRED, "GPU requires restart"),
+        ("nvmlDeviceGetMigMode", pynvml.NVML_ERROR_UNKNOWN, "Unknown Error"),
     ],
 )
-def test_any_other_nvml_error_names_the_function_and_the_gpu(function: str, code: int, says: str) -> None:
-    nvml = FakeNvml([FakeGpu(), FakeGpu(errors={function: code})])
+def test_any_other_nvml_error_of_one_gpu_leaves_that_gpu_unread_naming_the_function(function: str, code: int, says: str) -> None:
+    nvml = FakeNvml([FakeGpu(uuid="GPU-aaaa"), FakeGpu(uuid="GPU-bbbb", errors={function: code})])
 
-    with pytest.raises(ProbeError, match=rf"^{function} on GPU 1: {says} \(NVML error {code}\)$"):
+    with pytest.raises(GpusUnreadable) as caught:
         probe(nvml).sample()
+
+    assert [r.uuid for r in caught.value.readings] == ["GPU-aaaa"]
+    assert caught.value.unreadable == [UnreadableGpu(1, "GPU-bbbb", f"{function} on GPU 1: {says} (NVML error {code})")]
+
+
+def test_a_gpu_whose_uuid_cannot_be_read_is_unread_by_its_index() -> None:
+    nvml = FakeNvml([FakeGpu(uuid="GPU-aaaa", errors={"nvmlDeviceGetUUID": pynvml.NVML_ERROR_GPU_IS_LOST}), FakeGpu(uuid="GPU-bbbb")])
+
+    with pytest.raises(GpusUnreadable) as caught:
+        probe(nvml).sample()
+
+    assert caught.value.unreadable == [UnreadableGpu(0, None, "nvmlDeviceGetUUID on GPU 0: GPU is lost (NVML error 15)")]
+    assert [(r.index, r.uuid) for r in caught.value.readings] == [(1, "GPU-bbbb")]
+
+
+def test_an_nvml_shut_down_in_the_middle_of_a_sample_is_a_fault_of_the_whole_driver() -> None:
+    nvml = FakeNvml([FakeGpu(uuid="GPU-aaaa"), FakeGpu(uuid="GPU-bbbb")])
+    gpus = probe(nvml)
+    gpus.sample()
+    nvml.gpus[1].errors = {"nvmlDeviceGetMemoryInfo": pynvml.NVML_ERROR_UNINITIALIZED}
+
+    with pytest.raises(ProbeError, match="Uninitialized") as caught:
+        gpus.sample()
+
+    assert not isinstance(caught.value, GpusUnreadable)
+
+
+def test_a_lost_gpu_can_be_read_again_once_the_driver_answers_for_it() -> None:
+    nvml = FakeNvml([FakeGpu(uuid="GPU-aaaa"), FakeGpu(uuid="GPU-bbbb", lost=True)])
+    gpus = probe(nvml)
+    with pytest.raises(GpusUnreadable):
+        gpus.sample()
+
+    nvml.gpus[1].lost = False
+
+    assert [r.uuid for r in gpus.sample()] == ["GPU-aaaa", "GPU-bbbb"]
 
 
 def test_a_count_that_fails_is_a_probe_error_naming_the_function() -> None:
@@ -283,6 +328,45 @@ async def test_a_broker_that_stops_shuts_nvml_down_and_does_not_wait_for_a_stuck
         assert nvml.shutdown_calls == 1  # the stuck sample holds NVML; the process's exit lets it go
     finally:
         release.set()
+
+
+async def test_a_broker_goes_on_brokering_the_gpus_nvml_reads_when_one_is_lost(tmp_path: Path) -> None:
+    """Xid 79 on GPU 1 of two, each with a lease: GPU 0 keeps its figures and its grants, GPU 1 is shown as
+    unreadable with NVML's error, its lease stays, and once NVML reads it again it is offered again."""
+    nvml = FakeNvml([FakeGpu(uuid="GPU-aaaa", used=GIB), FakeGpu(uuid="GPU-bbbb")])
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), NvmlProbe(nvml))
+    await broker.start()
+    try:
+        on_0, _ = await broker.request(parse_request({"gpu_memory": "4GiB", "gpu": 0, "bind": "none"}), Caller("tcp"))
+        on_1, _ = await broker.request(parse_request({"gpu_memory": "8GiB", "gpu": 1, "bind": "none"}), Caller("tcp"))
+        nvml.gpus[1].lost = True
+        await broker.sample()
+
+        node = broker.node_json()
+        assert node["driver_error"] is None
+        [gpu] = node["gpus"]
+        assert (gpu["uuid"], gpu["figures"]["observed"], gpu["figures"]["leased"]) == ("GPU-aaaa", GIB, 4 * GIB)
+        lost = "nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost (NVML error 15)"
+        assert node["unreadable_gpus"] == [{"index": 1, "uuid": None, "error": lost, "leases": []}]
+        more, _ = await broker.request(parse_request({"gpu_memory": "2GiB", "bind": "none"}), Caller("tcp"))
+        assert [g.uuid for g in more.gpus] == ["GPU-aaaa"]
+        with pytest.raises(Refusal) as refused:
+            await broker.request(parse_request({"gpu_memory": "1GiB", "gpu": 1, "bind": "none"}), Caller("tcp"))
+        assert refused.value.code is FailureCode.DRIVER_ERROR
+        assert refused.value.message == f"GPU 1 (UUID unknown) cannot be read: {lost}; it is not offered until it can be read again"
+        assert broker.get(on_1.id)["state"] == "granted"
+        assert broker.get(on_0.id)["state"] == "granted"
+
+        nvml.gpus[1].lost = False
+        await broker.sample()
+        assert [(g["uuid"], g["figures"]["leased"]) for g in broker.node_json()["gpus"]] == [("GPU-aaaa", 6 * GIB), ("GPU-bbbb", 8 * GIB)]
+        await broker.store.commit([])
+        events, _ = broker.events(0, 100)
+        said = [(e["type"], e.get("gpu")) for e in events if e["type"].startswith("gpu.")]
+        assert said == [("gpu.unreadable", None), ("gpu.missing", "GPU-bbbb"), ("gpu.readable", "GPU-bbbb"), ("gpu.found", "GPU-bbbb")]
+    finally:
+        await broker.close()
 
 
 def mig_machine() -> list[FakeGpu]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpubroker.broker.probes import ProbeError, SimulatedProbe
+from gpubroker.broker.probes import GpusUnreadable, ProbeError, SimulatedProbe, UnreadableGpu
 
 GIB = 2**30
 
@@ -50,3 +50,15 @@ def test_a_simulation_file_that_describes_no_real_machine_is_a_probe_error_that_
     sim.write_text(gpus)
     with pytest.raises(ProbeError, match=says):
         SimulatedProbe(str(sim)).sample()
+
+
+def test_a_simulated_gpu_can_be_unreadable_as_a_card_fallen_off_the_bus(tmp_path: Path) -> None:
+    sim = tmp_path / "gpus.toml"
+    sim.write_text('[[gpu]]\nmemory = "24GiB"\n[[gpu]]\nmemory = "12GiB"\nunreadable = "GPU is lost (Xid 79)"\n')
+    probe = SimulatedProbe(str(sim))  # no fault of the file
+
+    with pytest.raises(GpusUnreadable) as caught:
+        probe.sample()
+
+    assert [(r.index, r.uuid) for r in caught.value.readings] == [(0, "GPU-sim-0")]
+    assert caught.value.unreadable == [UnreadableGpu(1, "GPU-sim-1", "simulated: GPU is lost (Xid 79)")]

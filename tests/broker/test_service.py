@@ -17,7 +17,7 @@ import pytest
 from fakes import GIB, FakeClock, FakeGpuProbe
 
 from gpubroker.broker import holders
-from gpubroker.broker.probes import GpuProcess
+from gpubroker.broker.probes import GpuProcess, UnreadableGpu
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
@@ -479,6 +479,100 @@ async def test_a_lease_stays_on_its_card_by_uuid_when_the_driver_numbers_the_car
     [found] = await node.events("gpu.found")
     assert (found["gpu"], found["message"]) == ("GPU-b", "GPU-b is listed by the driver again, as GPU 1")
     assert node.gpu(1)["figures"]["leased"] == 20 * GIB
+
+
+async def test_a_gpu_that_cannot_be_read_is_not_offered_while_the_others_are_brokered(make_node: Callable[..., Any]) -> None:
+    """One card fallen off the bus (Xid 79) no longer stops the node: the card that can be read keeps its figures
+    and its grants, the other is refused by name, its lease stays, counted on no other card."""
+    node = await make_node([24 * GIB, 24 * GIB])
+    on_0, _ = await node.ask(gpu_memory="4GiB", gpu=0)
+    on_1, _ = await node.ask(gpu_memory="8GiB", gpu=1)
+    lost = "nvmlDeviceGetMemoryInfo on GPU 1: GPU is lost (NVML error 15)"
+    node.probe.unreadable = {1: lost}
+    await node.sample()
+
+    assert node.broker.driver_error is None
+    assert [(g["index"], g["figures"]["leased"]) for g in node.broker.node_json()["gpus"]] == [(0, 4 * GIB)]
+    assert node.broker.node_json()["unreadable_gpus"] == [{"index": 1, "uuid": "GPU-fake-1", "error": lost, "leases": [on_1["id"]]}]
+    granted, _ = await node.ask(gpu_memory="10GiB")
+    assert granted["gpus"][0]["index"] == 0
+    error = await node.refused(gpu_memory="1GiB", gpu=1)
+    assert (error.code, error.status) == (FailureCode.DRIVER_ERROR, 503)
+    assert error.message == f"GPU 1 (GPU-fake-1) cannot be read: {lost}; it is not offered until it can be read again"
+    error = await node.refused(gpu_memory="1GiB", gpu="GPU-fake-1")
+    assert error.code is FailureCode.DRIVER_ERROR
+    error = await node.refused(gpu_memory="1GiB", gpus=2)  # only with the card that cannot be read
+    assert error.code is FailureCode.DRIVER_ERROR
+    assert error.message == f"2 GPUs asked for; 1 can be read; GPU 1 (GPU-fake-1) cannot be read: {lost}"
+    error = await node.refused(gpu_memory="20GiB")  # decided on the card that can be read, naming the other
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert error.message.endswith("needs 20.0; GPU 1 (GPU-fake-1) cannot be read")
+    assert node.broker.get(on_1["id"])["state"] == "granted"
+
+    [unreadable] = await node.events("gpu.unreadable")
+    assert (unreadable["gpu"], unreadable["code"]) == ("GPU-fake-1", "DRIVER_ERROR")
+    assert unreadable["message"] == (
+        f"GPU 1 (GPU-fake-1) cannot be read: {lost}; it is not offered, and leases {on_1['id']} hold 8.0 GiB on it "
+        "and stay until released or expired, counted on no other GPU"
+    )
+    assert unreadable["details"] == {"index": 1, "uuid": "GPU-fake-1", "error": lost, "leases": [on_1["id"]], "bytes": 8 * GIB}
+    assert not await node.events("gpu.missing")  # the card is listed; why it is not offered is said once
+    node.probe.unreadable = {1: "nvmlDeviceGetMemoryInfo on GPU 1: Unknown Error (NVML error 999)"}
+    await node.sample()
+    await node.sample()
+    assert len(await node.events("gpu.unreadable")) == 1  # said once, not at every sample
+
+    node.probe.unreadable = {}
+    await node.sample()
+    [readable] = await node.events("gpu.readable")
+    assert (readable["gpu"], readable["message"]) == ("GPU-fake-1", "GPU 1 (GPU-fake-1) can be read again, as GPU 1 (GPU-fake-1)")
+    assert node.broker.node_json()["unreadable_gpus"] == []
+    assert node.gpu(1)["figures"]["leased"] == 8 * GIB
+    again, _ = await node.ask(gpu_memory="1GiB", gpu=1)
+    assert again["gpus"][0]["uuid"] == "GPU-fake-1"
+    await node.sample()
+    assert len(await node.events("gpu.readable")) == 1
+    assert on_0["id"] != on_1["id"]
+
+
+async def test_a_request_waiting_for_a_gpu_that_cannot_be_read_is_granted_once_it_can(make_node: Callable[..., Any]) -> None:
+    node = await make_node([24 * GIB, 24 * GIB])
+    node.probe.unreadable = {1: "nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost (NVML error 15)"}
+    await node.sample()
+    waiting = asyncio.create_task(node.ask(gpu_memory="1GiB", gpu=1, wait="60s"))
+    await settle()
+    assert not waiting.done()
+
+    node.probe.unreadable = {}
+    await node.sample()
+
+    lease, _ = await asyncio.wait_for(waiting, 5)
+    assert lease["gpus"][0]["index"] == 1
+
+
+async def test_a_gpu_whose_uuid_cannot_be_read_is_named_by_its_index_and_its_leases_said_missing(
+    make_node: Callable[..., Any],
+) -> None:
+    node = await make_node([24 * GIB, 24 * GIB])
+    on_1, _ = await node.ask(gpu_memory="8GiB", gpu=1)
+    node.probe.sizes, node.probe.uuids = [24 * GIB], ["GPU-fake-0"]  # the lost card's UUID is not read: it is not listed by it
+    lost = "nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost (NVML error 15)"
+    broker = node.broker
+    broker.apply_sample(node.probe.sample(), None, unreadable=[UnreadableGpu(1, None, lost)])
+
+    assert broker.node_json()["unreadable_gpus"] == [{"index": 1, "uuid": None, "error": lost, "leases": []}]
+    error = await node.refused(gpu_memory="1GiB", gpu=1)
+    assert (error.code, error.message) == (
+        FailureCode.DRIVER_ERROR,
+        f"GPU 1 (UUID unknown) cannot be read: {lost}; it is not offered until it can be read again",
+    )
+    [unreadable] = await node.events("gpu.unreadable")
+    assert "gpu" not in unreadable
+    assert unreadable["message"] == f"GPU 1 (UUID unknown) cannot be read: {lost}; it is not offered until it can be read again"
+    [missing] = await node.events("gpu.missing")
+    assert missing["message"].startswith(
+        f"GPU-fake-1 is not among the GPUs read (GPU 1 (UUID unknown) cannot be read: {lost}); leases {on_1['id']}"
+    )
 
 
 async def test_a_production_request_on_a_node_not_eligible_is_capability_unavailable(make_node: Callable[..., Any]) -> None:
