@@ -66,12 +66,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     if node.get("driver_error"):
         print(f"GPUs: cannot be read: {node['driver_error']}")
+    lines: list[tuple[int, list[str]]] = []  # each GPU's lines, in the node's order of GPUs
     for gpu in node["gpus"]:
         f = gpu["figures"]
         pressure = "  EXTERNAL PRESSURE" if gpu.get("pressure") else ""
         stale = f"  STALE (read {gpu['age']:.1f}s ago: no decision is made on it)" if gpu.get("stale") else ""
-        print(f"GPU {gpu['index']}  {gpu['name']}  {gpu['uuid']}{pressure}{stale}")
-        print(
+        mine = [f"GPU {gpu['index']}  {gpu['name']}  {gpu['uuid']}{pressure}{stale}"]
+        mine.append(
             "  "
             + "  ".join(
                 f"{name} {gib(f[name])}" for name in ("total", "observed", "external", "resident", "leased", "reserve", "schedulable")
@@ -80,7 +81,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         for process in gpu["processes"]:
             owner = f"lease {process['lease']}" if process["lease"] else "external"
-            print(f"  pid {process['pid']} {process['name'] or '?'}: {gib(process['bytes'])} GiB ({owner})")
+            mine.append(f"  pid {process['pid']} {process['name'] or '?'}: {gib(process['bytes'])} GiB ({owner})")
+        lines.append((gpu["index"], mine))
+    for gpu in node.get("unreadable_gpus", []):
+        mine = [f"GPU {gpu['index']}  {gpu['uuid'] or 'UUID unknown'}  UNREADABLE: {gpu['error']}"]
+        leases = f"; leases {', '.join(gpu['leases'])} stay on it" if gpu["leases"] else ""
+        mine.append(f"  not offered until it can be read again{leases}")
+        lines.append((gpu["index"], mine))
+    for _, mine in sorted(lines, key=lambda item: item[0]):
+        print("\n".join(mine))
     cpu, memory = node["cpu"], node["memory"]
     print(f"CPU {cpu['cores']} cores: {cpu['leased']} leased, {cpu['schedulable']} schedulable")
     print(f"memory {gib(memory['total'])} GiB: {gib(memory['leased'])} leased, {gib(memory['schedulable'])} schedulable")

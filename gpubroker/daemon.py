@@ -384,6 +384,8 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
         gpus = len(broker.readings)
         source = f"simulated ({config.simulate_gpus})" if config.simulate_gpus else "NVML"
         state = f"GPUs: {broker.driver_error}" if broker.driver_error else f"{gpus} GPU{'s' * (gpus != 1)} via {source}"
+        if broker.driver_error is None and broker.unreadable:
+            state += "".join(f" ({gpu.label()} cannot be read: {gpu.error})" for gpu in broker.unreadable)
         print(
             f"gpubroker ready: node {config.name} ({broker.node_id}), {state}; "
             f"API on unix:{config.socket_path} and {'https' if beyond_loopback(config) else 'http'}://{config.listen}"

@@ -571,6 +571,7 @@ async def healthz(request: web.Request) -> web.Response:
             "ok": True,
             "node": broker.node_id,
             "driver_error": broker.driver_error,
+            "unreadable_gpus": [{k: v for k, v in gpu.items() if k != "leases"} for gpu in broker.unreadable_json()],
             "stale": broker.stale,
             "store_error": broker.store.failing,
         }

@@ -80,6 +80,12 @@ class _BrokerCollector(Collector):
         up = GaugeMetricFamily("gpubroker_driver_ok", "1 when the GPUs can be read")
         up.add_metric([], 0.0 if broker.driver_error else 1.0)
         yield up
+        unreadable = GaugeMetricFamily(
+            "gpubroker_gpu_unreadable", "1 for each GPU the driver lists but cannot read (not offered)", labels=["uuid", "index"]
+        )
+        for gpu in broker.unreadable_json():
+            unreadable.add_metric([gpu["uuid"] or "", str(gpu["index"])], 1.0)
+        yield unreadable
         store = CounterMetricFamily(
             "gpubroker_store_write_failures", "transactions the state store could not write (full, or a disk fault)"
         )

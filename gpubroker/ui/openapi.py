@@ -29,6 +29,11 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+_UNREADABLE: dict[str, Any] = {  # a GPU the driver lists but cannot read
+    "index": {"type": "integer", "minimum": 0, "description": "its place among the node's GPUs, which the others keep"},
+    "uuid": {"type": "string", "nullable": True, "description": "null when not even its handle could be had"},
+    "error": {"type": "string", "description": "the driver's error, naming the function and the GPU"},
+}
 _LEASE_ANSWER = {"type": "object", "required": ["lease"], "properties": {"lease": _ref("Lease")}}
 
 OPENAPI: dict[str, Any] = {
@@ -261,11 +266,16 @@ OPENAPI: dict[str, Any] = {
                     "200": _json(
                         {
                             "type": "object",
-                            "required": ["ok", "node", "driver_error", "stale", "store_error"],
+                            "required": ["ok", "node", "driver_error", "unreadable_gpus", "stale", "store_error"],
                             "properties": {
                                 "ok": {"type": "boolean"},
                                 "node": {"type": "string"},
                                 "driver_error": {"type": "string", "nullable": True, "description": "why the GPUs cannot be read"},
+                                "unreadable_gpus": {
+                                    "type": "array",
+                                    "items": _ref("UnreadableGpu"),
+                                    "description": "GPUs the driver lists but cannot read (the others are read and brokered)",
+                                },
                                 "stale": {"type": "boolean", "description": "a GPU's reading is older than `staleness`"},
                                 "store_error": {
                                     "type": "string",
@@ -373,9 +383,27 @@ OPENAPI: dict[str, Any] = {
                             "properties": {"figures": _ref("Figures")},
                         },
                     },
+                    "driver_error": {"type": "string", "nullable": True, "description": "why no GPU can be read"},
+                    "unreadable_gpus": {
+                        "type": "array",
+                        "description": "GPUs the driver lists but cannot read: none is offered, the leases on them stay",
+                        "items": {
+                            "type": "object",
+                            "required": ["index", "uuid", "error", "leases"],
+                            "properties": {
+                                **_UNREADABLE,
+                                "leases": {"type": "array", "items": {"type": "string"}, "description": "live leases held on it"},
+                            },
+                        },
+                    },
                     "cpu": {"type": "object"},
                     "memory": {"type": "object"},
                 },
+            },
+            "UnreadableGpu": {
+                "type": "object",
+                "required": ["index", "uuid", "error"],
+                "properties": _UNREADABLE,
             },
             "Event": {
                 "type": "object",

@@ -272,6 +272,8 @@ def cluster_region(request: web.Request) -> str:
         )
         problem = node.get("driver_error") or (node.get("document") or {}).get("driver_error")
         warning = f'<p class="warning">driver: {e(problem)}</p>' if problem else ""
+        if node.get("self"):
+            warning += unreadable_warnings({"unreadable_gpus": request.app[BROKER].unreadable_json()})
         cards.append(
             f'<article class="card node state-{e(node.get("state"))}" data-node="{e(node["id"])}">'
             f'<header><h2>{e(name)}</h2>{badges}<span class="state">{e(node.get("state"))}</span><span class="fresh">{fresh}</span></header>'
@@ -288,6 +290,15 @@ def cluster_region(request: web.Request) -> str:
 def legend() -> str:
     kinds = ("external", "resident", "leased", "reserve", "schedulable")
     return '<p class="legend">' + "".join(f'<span><i class="seg-{k}"></i>{k}</span>' for k in kinds) + "</p>"
+
+
+def unreadable_warnings(node: dict[str, Any]) -> str:
+    """A warning for each GPU the driver lists but cannot read: it is not offered, its leases stay."""
+    return "".join(
+        f'<p class="warning">GPU {e(gpu["index"])} ({e(gpu["uuid"] or "UUID unknown")}) cannot be read: {e(gpu["error"])}; '
+        f"not offered until it can be read again{'; leases ' + e(', '.join(gpu['leases'])) + ' stay on it' if gpu['leases'] else ''}</p>"
+        for gpu in node.get("unreadable_gpus", [])
+    )
 
 
 def node_region(request: web.Request) -> str:
@@ -321,6 +332,7 @@ def node_region(request: web.Request) -> str:
         "no budgets",
     )
     error = f'<p class="warning">driver: {e(node["driver_error"])}</p>' if node.get("driver_error") else ""
+    error += unreadable_warnings(node)
     queue = ", ".join(f"{e(k)} {e(v)}" for k, v in node.get("queue", {}).items())
     return (
         f'<h1>Node {e(node["node"]["name"])}</h1><p class="muted"><code>{e(node["node"]["id"])}</code> · '

@@ -4,6 +4,8 @@ content type, and its body against the schema (the subset of JSON Schema the doc
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -245,3 +247,32 @@ BEYOND_A_BOUND = [
 def test_a_request_refused_for_going_past_a_bound_is_one_the_document_says_is_invalid(api: Api, body: dict[str, Any]) -> None:
     assert api("POST", "/v1/leases", body).json()["error"]["code"] == "INVALID_REQUEST"
     assert schema_errors({"$ref": "#/components/schemas/LeaseRequest"}, body) != []  # a client can know before it asks
+
+
+def test_a_gpu_that_cannot_be_read_is_answered_as_the_document_says_and_shown_by_status(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    """GPU 1 fallen off the bus: /v1/node, /healthz, /metrics and `gpubroker status` name it and why, GPU 0 is brokered."""
+    sim = tmp_path / "gpus.toml"
+    sim.write_text('[[gpu]]\nmemory = "24GiB"\n[[gpu]]\nmemory = "24GiB"\nunreadable = "GPU is lost (Xid 79)"\n')
+    broker = broker_process(str(sim)).start()
+    api = Api(broker.url)
+    unreadable = {"index": 1, "uuid": "GPU-sim-1", "error": "simulated: GPU is lost (Xid 79)"}
+
+    assert api("POST", "/v1/leases", {"gpu_memory": "1GiB", "bind": "none"}).status_code == 201
+    refused = api("POST", "/v1/leases", {"gpu_memory": "1GiB", "gpu": 1, "bind": "none"})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "DRIVER_ERROR"
+    assert "GPU 1 (GPU-sim-1) cannot be read: simulated: GPU is lost (Xid 79)" in refused.json()["error"]["message"]
+    node = api("GET", "/v1/node").json()
+    assert ([g["index"] for g in node["gpus"]], node["unreadable_gpus"]) == ([0], [{**unreadable, "leases": []}])
+    assert api("GET", "/healthz").json()["unreadable_gpus"] == [unreadable]
+    assert 'gpubroker_gpu_unreadable{index="1",uuid="GPU-sim-1"} 1.0' in api("GET", "/metrics").text
+    assert api.broken == []
+    assert "(GPU 1 (GPU-sim-1) cannot be read: simulated: GPU is lost (Xid 79))" in broker.ready_line
+
+    status = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=broker.env, capture_output=True, text=True, timeout=30)
+    lines = status.stdout.splitlines()
+    at = lines.index("GPU 1  GPU-sim-1  UNREADABLE: simulated: GPU is lost (Xid 79)")
+    assert lines[at + 1] == "  not offered until it can be read again"
+    assert lines[at - 1].startswith("  total 24.0")  # after GPU 0, in the node's order
