@@ -510,7 +510,9 @@ class Broker:
             now_read = before.uuid if before.uuid is not None else next((u for u, i in seen.items() if i == before.index), None)
             if now_read is None or now_read not in seen:
                 continue  # no longer listed at all: nothing can be said of it being read
-            message = f"{before.label()} can be read again, as GPU {seen[now_read]} ({now_read})"
+            message = f"{before.label()} can be read again"
+            if (before.index, before.uuid) != (seen[now_read], now_read):  # numbered anew, or its UUID now known
+                message += f", as GPU {seen[now_read]} ({now_read})"
             writes.append(self._event("gpu.readable", message, gpu=now_read, details={"index": seen[now_read], "uuid": now_read}))
             said.append(message)
         for uuid in sorted(missing - self._missing):

@@ -364,6 +364,9 @@ async def test_a_broker_goes_on_brokering_the_gpus_nvml_reads_when_one_is_lost(t
         await broker.store.commit([])
         events, _ = broker.events(0, 100)
         said = [(e["type"], e.get("gpu")) for e in events if e["type"].startswith("gpu.")]
+        assert [e["message"] for e in events if e["type"] == "gpu.readable"] == [
+            "GPU 1 (UUID unknown) can be read again, as GPU 1 (GPU-bbbb)"
+        ]
         assert said == [("gpu.unreadable", None), ("gpu.missing", "GPU-bbbb"), ("gpu.readable", "GPU-bbbb"), ("gpu.found", "GPU-bbbb")]
     finally:
         await broker.close()
@@ -419,3 +422,16 @@ def test_processes_that_start_while_nvml_lists_them_are_listed_again_not_a_drive
     [reading] = probe(FakeNvml([gpu])).sample()
 
     assert reading.processes == (GpuProcess(VANISHED_PID, "", GIB),)
+
+
+def test_a_mig_device_that_cannot_be_read_is_unread_alone_and_keeps_its_place() -> None:
+    gpus = mig_machine()
+    mig = gpus[1].mig[2]
+    assert mig is not None
+    mig.errors = {"nvmlDeviceGetMemoryInfo": pynvml.NVML_ERROR_UNKNOWN}
+
+    with pytest.raises(GpusUnreadable) as caught:
+        probe(FakeNvml(gpus)).sample()
+
+    assert [(r.index, r.uuid) for r in caught.value.readings] == [(0, "GPU-plain"), (1, "MIG-aaaa"), (3, "GPU-off")]
+    assert caught.value.unreadable == [UnreadableGpu(2, "MIG-bbbb", "nvmlDeviceGetMemoryInfo on GPU 1: Unknown Error (NVML error 999)")]

@@ -525,7 +525,7 @@ async def test_a_gpu_that_cannot_be_read_is_not_offered_while_the_others_are_bro
     node.probe.unreadable = {}
     await node.sample()
     [readable] = await node.events("gpu.readable")
-    assert (readable["gpu"], readable["message"]) == ("GPU-fake-1", "GPU 1 (GPU-fake-1) can be read again, as GPU 1 (GPU-fake-1)")
+    assert (readable["gpu"], readable["message"]) == ("GPU-fake-1", "GPU 1 (GPU-fake-1) can be read again")
     assert node.broker.node_json()["unreadable_gpus"] == []
     assert node.gpu(1)["figures"]["leased"] == 8 * GIB
     again, _ = await node.ask(gpu_memory="1GiB", gpu=1)
