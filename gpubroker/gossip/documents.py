@@ -49,6 +49,8 @@ def external_by_name(gpu: dict[str, Any]) -> dict[str, int]:
 
 
 LEASES_ROOM = 192 * 2**10  # bytes of lease records a document lists at most; MAX_DOCUMENT's rest holds the node's figures
+UNREADABLE_LISTED = 64  # GPUs the driver lists but cannot read, at most, that a document names (with their errors)
+UNREADABLE_ERROR_ROOM = 512  # characters of each one's error a document keeps
 LABELS_ROOM = 512  # bytes of one lease's labels a document lists at most: one lease's labels must not crowd out others
 
 
@@ -92,6 +94,10 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
         "version_of_broker": node["node"].get("version"),
         "production_eligible": node["node"].get("production_eligible", True),
         "driver_error": node.get("driver_error"),
+        "unreadable_gpus": [
+            {"index": gpu["index"], "uuid": gpu["uuid"], "error": gpu["error"][:UNREADABLE_ERROR_ROOM]}
+            for gpu in node.get("unreadable_gpus", [])[:UNREADABLE_LISTED]
+        ],
         "gpus": gpus,
         "cpu": node.get("cpu", {}),
         "memory": {k: round_bytes(v, down=k == "schedulable") for k, v in node.get("memory", {}).items()},
@@ -162,6 +168,22 @@ def listed_leases(body: dict[str, Any], node: str) -> list[dict[str, Any]]:
     broker's, say) is left out, never a failed page or answer."""
     listed = (listed_lease(body, node, r) for r in body.get("leases", []) if isinstance(r, dict))
     return [lease for lease in listed if lease is not None]
+
+
+def listed_unreadable(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The GPUs a node's document says its driver lists but cannot read, each as `{index, uuid, error}`; none where the
+    document does not say (an older broker's), and an entry in a shape not known is left out."""
+    entries = body.get("unreadable_gpus")
+    if not isinstance(entries, list):
+        return []
+    return [
+        {"index": entry["index"], "uuid": entry.get("uuid"), "error": entry["error"]}
+        for entry in entries
+        if isinstance(entry, dict)
+        and _count(entry.get("index"))
+        and isinstance(entry.get("uuid"), str | None)
+        and isinstance(entry.get("error"), str)
+    ]
 
 
 def _labels(labels: object) -> dict[str, str]:

@@ -24,7 +24,7 @@ from urllib.parse import quote, urlsplit
 from aiohttp import web
 
 from gpubroker.errors import FailureCode, NotFound
-from gpubroker.gossip.documents import external_by_name, listed_leases
+from gpubroker.gossip.documents import external_by_name, listed_leases, listed_unreadable
 from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, cluster_view, read_form
 from gpubroker.ui.auth import CSRF_FIELD, SESSION_COOKIE, verify_password
 from gpubroker.ui.stream import EVENT_TYPES
@@ -274,6 +274,8 @@ def cluster_region(request: web.Request) -> str:
         warning = f'<p class="warning">driver: {e(problem)}</p>' if problem else ""
         if node.get("self"):
             warning += unreadable_warnings({"unreadable_gpus": request.app[BROKER].unreadable_json()})
+        elif not problem:  # another node's, as its document says (its leases on them are in its list of leases)
+            warning += unreadable_warnings({"unreadable_gpus": listed_unreadable(node.get("document") or {})})
         cards.append(
             f'<article class="card node state-{e(node.get("state"))}" data-node="{e(node["id"])}">'
             f'<header><h2>{e(name)}</h2>{badges}<span class="state">{e(node.get("state"))}</span><span class="fresh">{fresh}</span></header>'
@@ -296,7 +298,7 @@ def unreadable_warnings(node: dict[str, Any]) -> str:
     """A warning for each GPU the driver lists but cannot read: it is not offered, its leases stay."""
     return "".join(
         f'<p class="warning">GPU {e(gpu["index"])} ({e(gpu["uuid"] or "UUID unknown")}) cannot be read: {e(gpu["error"])}; '
-        f"not offered until it can be read again{'; leases ' + e(', '.join(gpu['leases'])) + ' stay on it' if gpu['leases'] else ''}</p>"
+        f"not offered until it can be read again{'; leases ' + e(', '.join(gpu['leases'])) + ' stay on it' if gpu.get('leases') else ''}</p>"
         for gpu in node.get("unreadable_gpus", [])
     )
 

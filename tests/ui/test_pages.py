@@ -26,6 +26,7 @@ from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.client import ClientError
 from gpubroker.config import Config
+from gpubroker.gossip.documents import summarize
 from gpubroker.ui import pages, stream
 from gpubroker.ui.api import make_app
 
@@ -312,6 +313,27 @@ async def test_the_cluster_totals_leave_out_nodes_that_are_down(
     monkeypatch.setattr(pages, "cluster_view", lambda app: view)
     text = await (await client.get("/fragment/cluster")).text()
     assert "2 nodes (1 down, not counted) · 1 GPU · 24.0 GiB total" in text
+
+
+async def test_a_peers_gpu_its_driver_cannot_read_is_shown_on_the_cluster_page_from_its_document(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, broker, _ = served
+    peer = broker.node_json()
+    peer["unreadable_gpus"] = [{"index": 1, "uuid": None, "error": "GPU is <lost>", "leases": ["l-on-it"]}]
+    document = summarize(peer, [])
+    document["unreadable_gpus"].append({"index": "2", "error": 7})  # an entry not in a known shape is left out, not shown
+    view = {
+        "nodes": [
+            {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
+            {"id": "n-far", "name": "far", "state": "alive", "self": False, "age": 1.0, "document": document},
+        ],
+        "coordinator": None,
+    }
+    monkeypatch.setattr(pages, "cluster_view", lambda app: view)
+    text = await (await client.get("/fragment/cluster")).text()
+    assert text.count("cannot be read") == 1
+    assert "GPU 1 (UUID unknown) cannot be read: GPU is &lt;lost&gt;; not offered until it can be read again" in text
 
 
 async def test_an_ended_lease_on_the_leases_page_has_no_expiry_ahead(served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe]) -> None:
