@@ -28,7 +28,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from gpubroker.broker.nvml import NvmlProbe
 from gpubroker.broker.probes import GpuProbe, SimulatedProbe
 from gpubroker.broker.service import Broker
-from gpubroker.broker.store import Store
+from gpubroker.broker.store import Store, StoreDamaged
 from gpubroker.config import Config
 from gpubroker.ui import api
 from gpubroker.ui.api import MeshSlot, allowed_hosts, make_app, unreadable_detail
@@ -90,6 +90,8 @@ def open_store(config: Config) -> Store:
             )
     try:
         return Store(config.state_dir, config.store_size, config.events_kept)
+    except StoreDamaged as error:
+        raise StartError(str(error)) from None
     except (lmdb.Error, OSError) as error:
         raise StartError(f"cannot open the state store in {config.state_dir}: {error}; check store_size and the directory") from None
 
@@ -300,7 +302,11 @@ async def serve(
             load_identity(config.state_dir)  # a joining node's leases carry the id it will have in the cluster
         store = open_store(config)
         broker = Broker(config, store, probe or make_probe(config), node_id=known_node_id(config.state_dir))
-        await broker.start()
+        try:
+            await broker.start()
+        except StoreDamaged as error:
+            store.stop()
+            raise StartError(str(error)) from None
         try:
             mesh = await _make_mesh(config, broker, join)
         except BaseException:

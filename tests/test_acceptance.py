@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,36 @@ def test_up_refuses_what_it_cannot_use_in_one_line_and_removes_nothing(tmp_path:
         assert said in refused.stderr, refused.stderr
     assert precious.read_text() == "kept\n"
     assert a_dir.is_dir()
+
+
+def _cut_short(data: Path, lease_id: str) -> None:
+    os.truncate(data, 2 * 4096)  # its two header pages, none of the pages they point to
+
+
+def _overwrite_the_lease_pages(data: Path, lease_id: str) -> None:
+    content = bytearray(data.read_bytes())
+    pages = {at // 4096 for at in range(len(content)) if content.startswith(lease_id.encode(), at)}
+    for page in pages:
+        content[page * 4096 : (page + 1) * 4096] = b"\xa5" * 4096
+    data.write_bytes(bytes(content))
+
+
+@pytest.mark.parametrize("damage", [_cut_short, _overwrite_the_lease_pages], ids=["cut-short", "page-overwritten"])
+def test_a_damaged_store_is_refused_in_one_line_and_left_as_it_was(
+    broker_process: type[BrokerProcess], tmp_path: Path, damage: Callable[[Path, str], None]
+) -> None:
+    broker = broker_process("1x24GiB").start()
+    lease = broker.client().call("POST", "/v1/leases", {"gpu_memory": "1GiB", "bind": "none", "ttl": "1h"})["lease"]
+    broker.stop()
+    data = broker.state / "store" / "data.mdb"
+    damage(data, lease["id"])
+    damaged = data.read_bytes()
+
+    refused = _up("--state", str(broker.state), "--socket", str(broker.socket), "--listen", "127.0.0.1:0")
+    assert (refused.returncode, "Traceback" in refused.stderr) == (2, False), refused.stderr
+    assert refused.stderr.startswith(f"gpubroker: the state store in {broker.state / 'store'} is damaged"), refused.stderr
+    assert "restore" in refused.stderr, refused.stderr
+    assert data.read_bytes() == damaged  # nothing was written over the leases it may still hold
 
 
 def test_a_command_run_under_a_lease_gets_the_terminal_like_a_shell_job(broker_process: type[BrokerProcess]) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import os
 import pwd
 import secrets
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from gpubroker.broker.decide import HostBudget, Placement, candidates, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token
 from gpubroker.broker.probes import GpuProbe, GpuReading, GpusUnreadable, HostReading, ProbeError, UnreadableGpu, sample_host
 from gpubroker.broker.request import LeaseRequest
-from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
+from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
 from gpubroker.config import CLASSES, Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, StoreFull
 from gpubroker.units import gib, log_line, rfc3339
@@ -237,19 +238,21 @@ class Broker:
     async def start(self) -> None:
         """Load the store, take a first reading, and reconcile leases whose holders died meanwhile."""
         loaded = self.store.load()
-        self.node_id = self._given_id or loaded.meta.get("node_id") or f"n-{secrets.token_hex(6)}"
-        self._event_seq = loaded.last_event
-        epochs = loaded.meta.get("epochs", {})
-        self._lease_epoch = int(epochs.get("lease", 0))
-        self._gpu_epochs = {str(k): int(v) for k, v in epochs.get("gpu", {}).items()}
-        for record in loaded.ended:
-            key = seq_key(int(record.pop("_end", 0)))
-            lease = Lease.from_record(record)
+        try:
+            self.node_id = self._given_id or loaded.meta.get("node_id") or f"n-{secrets.token_hex(6)}"
+            self._event_seq = loaded.last_event
+            epochs = loaded.meta.get("epochs", {})
+            self._lease_epoch = int(epochs.get("lease", 0))
+            self._gpu_epochs = {str(k): int(v) for k, v in epochs.get("gpu", {}).items()}
+            ended = [(seq_key(int(record.pop("_end", 0))), Lease.from_record(record)) for record in loaded.ended]
+            live = [Lease.from_record(record) for record in loaded.leases]
+        except (TypeError, KeyError, ValueError, AttributeError, struct.error) as error:  # a value that unpacks, but is no record of ours
+            raise StoreDamaged(self.store.damaged(f"a stored record cannot be read: {type(error).__name__}: {error}")) from None
+        for key, lease in ended:
             self.ended[lease.id] = (key, lease)
             self._saw_epochs(lease)
         history = self._trim_history()  # the store may hold more than leases_kept: they go with a group
-        for record in loaded.leases:
-            lease = Lease.from_record(record)
+        for lease in live:
             self._hold(lease)
             self._saw_epochs(lease)
         self._watch = holders.HolderWatch(asyncio.get_running_loop())

@@ -59,6 +59,14 @@ def seq_key(seq: int) -> bytes:
     return _KEY.pack(seq)
 
 
+class StoreDamaged(Exception):
+    """The store on disk cannot be read (a file cut short or overwritten): the broker does not start on it."""
+
+
+# What LMDB says of a file that is not what it wrote (py-lmdb's BadTxnError follows a corruption found mid-read).
+_DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.BadTxnError, lmdb.PanicError)
+
+
 class Store:
     """leases (live, by id), ended (history, by end order), meta (epochs, node id), events (by seq)."""
 
@@ -67,29 +75,57 @@ class Store:
     def __init__(self, path: Path, map_size: int, events_kept: int = 10_000) -> None:
         self._events_kept = events_kept
         path.mkdir(parents=True, exist_ok=True)
-        # sync and metasync: every acknowledged commit survives kill -9 and power loss.
-        self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
         self._path = path
+        # sync and metasync: every acknowledged commit survives kill -9 and power loss.
+        try:
+            self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
+        except _DAMAGE as error:
+            raise StoreDamaged(self.damaged(str(error))) from None
         self._said: str | None = None  # what the log last said of failing writes
         self.failures = 0  # transactions the disk refused (full, or a fault), for /metrics: only grows
-        self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
+        try:
+            self._check_length()
+            self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
+        except (StoreDamaged, *_DAMAGE) as error:
+            self._env.close()
+            raise StoreDamaged(self.damaged(str(error))) from None
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._pack = msgpack.Packer().pack  # the writer thread's own: one packer for every value it writes
         self._thread: threading.Thread | None = None
         self.commits = 0  # transactions written, for the benchmark and tests
 
+    def damaged(self, problem: str) -> str:
+        """What to say of a store that cannot be read, and what to do."""
+        where = self._path / "store"
+        return (
+            f"the state store in {where} is damaged ({problem}); not starting on it, as the leases it holds would be "
+            f"forgotten: restore {where} from a backup, or move it aside to start with no leases, epochs or events"
+        )
+
+    def _check_length(self) -> None:
+        """A data file shorter than its own header says (cut short by a copy or a full disk) is refused before it is
+        read: LMDB maps it, and touching a page past its end kills the process with SIGBUS, saying nothing."""
+        data = self._path / "store" / "data.mdb"
+        length = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+        if (size := data.stat().st_size) < length:
+            raise StoreDamaged(f"{data} is {size} bytes where its header says {length}: it was cut short")
+
     def load(self) -> Loaded:
+        """Everything stored, unpacked; StoreDamaged when a page or a value cannot be read."""
         loaded = Loaded()
-        with self._env.begin() as txn:
-            for _, value in txn.cursor(self._db["leases"]):
-                loaded.leases.append(msgpack.unpackb(value))
-            for _, value in txn.cursor(self._db["ended"]):
-                loaded.ended.append(msgpack.unpackb(value))
-            for key, value in txn.cursor(self._db["meta"]):
-                loaded.meta[key.decode()] = msgpack.unpackb(value)
-            cursor = txn.cursor(self._db["events"])
-            if cursor.last():
-                loaded.last_event = _KEY.unpack(cursor.key())[0]
+        try:
+            with self._env.begin() as txn:
+                for _, value in txn.cursor(self._db["leases"]):
+                    loaded.leases.append(msgpack.unpackb(value))
+                for _, value in txn.cursor(self._db["ended"]):
+                    loaded.ended.append(msgpack.unpackb(value))
+                for key, value in txn.cursor(self._db["meta"]):
+                    loaded.meta[key.decode()] = msgpack.unpackb(value)
+                cursor = txn.cursor(self._db["events"])
+                if cursor.last():
+                    loaded.last_event = _KEY.unpack(cursor.key())[0]
+        except (*_DAMAGE, ValueError, msgpack.UnpackException, struct.error) as error:
+            raise StoreDamaged(self.damaged(f"{type(error).__name__}: {error}")) from None
         return loaded
 
     def events_after(self, after: int, limit: int) -> list[dict[str, Any]]:
@@ -115,7 +151,7 @@ class Store:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
-            self._env.close()
+        self._env.close()
 
     def commit(
         self,

@@ -20,7 +20,7 @@ from gpubroker.broker import holders
 from gpubroker.broker.probes import GpuProcess, UnreadableGpu
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
-from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
+from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
 from gpubroker.config import Config, Stamp
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, NotFound, StoreFull
 from gpubroker.units import parse_time, rfc3339
@@ -444,6 +444,20 @@ async def test_epochs_only_grow_across_restarts(make_node: Callable[..., Any]) -
     third, _ = await node.ask(gpu_memory="1GiB")
     assert third["epoch"] > second["epoch"]
     assert third["gpus"][0]["epoch"] > second["gpus"][0]["epoch"]
+
+
+async def test_a_stored_record_that_is_no_lease_stops_the_start_saying_the_store_is_damaged(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    lease, _ = await node.ask(gpu_memory="1GiB")
+    await node.broker.store.commit([Write("leases", b"l-garbled", {"id": "l-garbled", "gpus": 7})])
+    with pytest.raises(StoreDamaged) as damaged:
+        await node.restart()
+    assert f"the state store in {node.config.state_dir / 'store'} is damaged" in str(damaged.value)
+    assert "a stored record cannot be read" in str(damaged.value)
+    node.broker.store.stop()
+    store = Store(node.config.state_dir, node.config.store_size)
+    assert {record["id"] for record in store.load().leases} == {lease["id"], "l-garbled"}  # nothing was written over them
+    store.stop()
 
 
 async def test_a_lease_stays_on_its_card_by_uuid_when_the_driver_numbers_the_cards_anew(make_node: Callable[..., Any]) -> None:
