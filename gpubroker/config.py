@@ -232,6 +232,17 @@ class Config:
         return requested
 
 
+def toml_document(data: bytes) -> dict[str, Any]:
+    """A TOML file's document; ValueError, naming the line, when it is not TOML, or not UTF-8 as TOML always is
+    (whatever the locale says: a file is read the same by a shell and by a service)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"not UTF-8, as a TOML file must be: byte {data[error.start]:#04x} at line {line}") from None
+    return tomllib.loads(text)
+
+
 class ConfigError(ValueError):
     """A configuration file or flag that cannot be used, named with the setting."""
 
@@ -267,10 +278,10 @@ def load_config(path: Path | None = None, **overrides: Any) -> Config:
     values: dict[str, Any] = {}
     if path is not None:
         try:
-            document = tomllib.loads(path.read_text())
+            document = toml_document(path.read_bytes())
         except OSError as error:
             raise ConfigError(f"{path}: {error.strerror}") from None
-        except tomllib.TOMLDecodeError as error:
+        except ValueError as error:  # not TOML (tomllib's TOMLDecodeError), or not UTF-8
             raise ConfigError(f"{path}: {error}") from None
         for name, value in document.items():
             if name == "stamp":

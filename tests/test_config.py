@@ -61,3 +61,10 @@ def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, named: str) -
     path.write_text(text)
     with pytest.raises(ConfigError, match=named):
         load_config(path)
+
+
+def test_a_file_not_in_utf8_is_named_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "gpubroker.toml"
+    path.write_bytes(b'reserve = "2GiB"\n# r\xe9serve for the desktop\n')
+    with pytest.raises(ConfigError, match=r"gpubroker.toml: not UTF-8, as a TOML file must be: byte 0xe9 at line 2"):
+        load_config(path)

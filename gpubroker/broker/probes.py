@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from gpubroker.config import toml_document
 from gpubroker.units import UnitError, parse_size, printable_text
 
 
@@ -138,10 +139,10 @@ def parse_gpu_spec(spec: str) -> list[_SimGpu]:
     return gpus
 
 
-def parse_gpu_file(text: str, source: str) -> tuple[list[_SimGpu], list[_SimProcess]]:
+def parse_gpu_file(data: bytes, source: str) -> tuple[list[_SimGpu], list[_SimProcess]]:
     """GPUs and external processes from a simulation TOML file."""
     try:
-        document = tomllib.loads(text)
+        document = toml_document(data)
         gpus = []
         for index, table in enumerate(document.get("gpu", [])):
             gpus.append(
@@ -186,10 +187,10 @@ class SimulatedProbe:
         gpus, processes = self._gpus, list[_SimProcess]()
         if self._path is not None:
             try:
-                text = self._path.read_text()
+                data = self._path.read_bytes()
             except OSError as error:
                 raise ProbeError(f"{self._path}: {error.strerror}") from None
-            gpus, processes = parse_gpu_file(text, str(self._path))
+            gpus, processes = parse_gpu_file(data, str(self._path))
         now = self._clock()
         readings, unreadable = [], []
         for index, gpu in enumerate(gpus):

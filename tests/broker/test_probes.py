@@ -62,3 +62,14 @@ def test_a_simulated_gpu_can_be_unreadable_as_a_card_fallen_off_the_bus(tmp_path
 
     assert [(r.index, r.uuid) for r in caught.value.readings] == [(0, "GPU-sim-0")]
     assert caught.value.unreadable == [UnreadableGpu(1, "GPU-sim-1", "simulated: GPU is lost (Xid 79)")]
+
+
+def test_a_simulation_file_not_in_utf8_is_a_probe_error_naming_the_line_at_start_and_while_running(tmp_path: Path) -> None:
+    sim = tmp_path / "gpus.toml"
+    sim.write_text('[[gpu]]\nname = "RTX"\nmemory = "24GiB"\n')
+    probe = SimulatedProbe(str(sim))
+    sim.write_bytes(b'[[gpu]]\nname = "RTX \xe9"\nmemory = "24GiB"\n')  # saved in Latin-1 by an editor
+    with pytest.raises(ProbeError, match="not UTF-8, as a TOML file must be: byte 0xe9 at line 2"):
+        probe.sample()  # the broker then says DRIVER_ERROR, as for any broken file, and serves on
+    with pytest.raises(ProbeError, match="not UTF-8"):
+        SimulatedProbe(str(sim))
