@@ -52,7 +52,7 @@ class Stamp:
 
 def _node_name(value: Any) -> str:
     """A node's name, as peers, pages and `--node` show and take it: printable, not blank, at most 64 characters."""
-    name = str(value).strip()
+    name = value.strip() if isinstance(value, str) else ""
     if not name or len(name) > 64 or not name.isprintable():
         raise ValueError(f"{value!r} is not a node name: 1 to 64 printable characters")
     return name
@@ -64,6 +64,17 @@ class Setting:
     default: Any
     help: str
     parse: Callable[[Any], Any]
+
+
+def _text(value: Any) -> str:
+    """A string, not blank: a list or a number is a mistake in the file, never made into text (`["/x"]` into a path)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{value!r} is not a string of text (quoted, not empty)")
+    return value
+
+
+def _path(value: Any) -> Path:
+    return Path(_text(value))
 
 
 def _host_port(value: Any) -> str:
@@ -129,18 +140,18 @@ SETTINGS: tuple[Setting, ...] = (
         "state_dir",
         None,
         "where LMDB keeps leases, epochs and events (default: /var/lib/gpubroker as root, else ~/.local/state/gpubroker)",
-        lambda v: Path(str(v)),
+        _path,
     ),
     Setting("listen", "127.0.0.1:9740", "TCP address of the HTTP API and metrics", _host_port),
     Setting(
         "socket",
         None,
         "Unix socket of the HTTP API (default: $XDG_RUNTIME_DIR/gpubroker/api.sock, /run/gpubroker/api.sock as root, else in the state directory)",
-        lambda v: Path(str(v)),
+        _path,
     ),
     Setting("name", None, "this node's name (default: the hostname)", _node_name),
     Setting(
-        "simulate_gpus", None, "simulated GPUs instead of NVML: a spec like 2x24GiB,1x12GiB or a TOML file re-read at every sample", str
+        "simulate_gpus", None, "simulated GPUs instead of NVML: a spec like 2x24GiB,1x12GiB or a TOML file re-read at every sample", _text
     ),
     Setting("reserve", 2**30, "memory per GPU that is never leased: the safety margin", parse_size),
     Setting(
@@ -184,7 +195,7 @@ SETTINGS: tuple[Setting, ...] = (
         _at_least(parse_size, 2**20, "1MiB"),
     ),
     Setting("gossip", "0.0.0.0:9741", "where the mesh listens, UDP and TCP (once this node belongs to a cluster)", _host_port),
-    Setting("advertise", None, "the address peers should use to reach this node (default: the first non-loopback IPv4 address)", str),
+    Setting("advertise", None, "the address peers should use to reach this node (default: the first non-loopback IPv4 address)", _text),
     Setting("peers", (), "seed addresses HOST:PORT of other members, for networks where mDNS does not pass", _peers),
     Setting("coordinator_priority", 0, "lower is preferred when the mesh chooses its coordinator", _int),
     Setting("mdns", True, "find peers on the LAN by mDNS", _bool),

@@ -54,6 +54,12 @@ def test_a_file_and_flags_make_one_config_with_flags_winning(tmp_path: Path) -> 
         ('name = "   "', "setting name: '   ' is not a node name"),
         ('name = "tower\\u001b[2J"', "is not a node name: 1 to 64 printable characters"),
         (f'name = "{"n" * 65}"', "is not a node name"),
+        ('state_dir = ["/srv/gpubroker"]', r"setting state_dir: \['/srv/gpubroker'\] is not a string of text"),
+        ('state_dir = ""', "setting state_dir: '' is not a string of text"),
+        ("socket = true", "setting socket: True is not a string of text"),
+        ("simulate_gpus = 2", "setting simulate_gpus: 2 is not a string of text"),
+        ("advertise = 10", "setting advertise: 10 is not a string of text"),
+        ("name = 7", "setting name: 7 is not a node name"),
     ],
 )
 def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, named: str) -> None:
