@@ -114,7 +114,12 @@ def _free_socket(path: Path) -> None:
         try:
             probe.connect(str(path))
         except OSError:
-            path.unlink()
+            try:
+                path.unlink()
+            except OSError as error:  # another user's, in a sticky /tmp, say
+                raise StartError(
+                    f"cannot remove {path}, a socket no broker answers on: {error.strerror}; remove it, or give --socket another path"
+                ) from None
             return
     raise StartError(f"another broker answers on {path}; stop it or give --socket")
 
