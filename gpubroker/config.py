@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -121,10 +123,24 @@ def _int(value: Any) -> int:
     return value
 
 
+_HOST_NAME = re.compile(r"[^\s:/\[\]@]+")
+
+
 def _hosts(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(h, str) for h in value):
         raise ValueError(f"{value!r} is not a list of host names")
+    for host in value:  # compared with a Host header's name alone: `tower.lan:9740` or `[fe80::1]` would never match
+        if not _HOST_NAME.fullmatch(host) and not _is_address(host):
+            raise ValueError(f"{host!r} is not a host name or address: give it with no port or brackets, as tower.lan or fe80::1")
     return tuple(value)
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _password_hash(value: Any) -> str:
@@ -174,7 +190,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "allowed_hosts",
         (),
-        "Host headers accepted besides localhost, the listen address and this machine's names (against DNS rebinding)",
+        "names or addresses (no port) accepted in the Host header besides localhost, the listen address and this machine's names (against DNS rebinding)",
         _hosts,
     ),
     Setting(

@@ -60,6 +60,9 @@ def test_a_file_and_flags_make_one_config_with_flags_winning(tmp_path: Path) -> 
         ("simulate_gpus = 2", "setting simulate_gpus: 2 is not a string of text"),
         ("advertise = 10", "setting advertise: 10 is not a string of text"),
         ("name = 7", "setting name: 7 is not a node name"),
+        ('allowed_hosts = ["tower.lan:9740"]', "setting allowed_hosts: 'tower.lan:9740' is not a host name or address"),
+        ('allowed_hosts = ["[fe80::1]"]', r"setting allowed_hosts: '\[fe80::1\]' is not a host name or address"),
+        ('allowed_hosts = [""]', "setting allowed_hosts: '' is not a host name or address"),
     ],
 )
 def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, named: str) -> None:
@@ -67,6 +70,12 @@ def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, named: str) -
     path.write_text(text)
     with pytest.raises(ConfigError, match=named):
         load_config(path)
+
+
+def test_allowed_hosts_are_names_and_addresses_as_a_host_header_names_them(tmp_path: Path) -> None:
+    path = tmp_path / "gpubroker.toml"
+    path.write_text('allowed_hosts = ["tower.lan", "gpu-box_2", "10.0.0.5", "fe80::1"]\n')
+    assert load_config(path).allowed_hosts == ("tower.lan", "gpu-box_2", "10.0.0.5", "fe80::1")
 
 
 def test_a_file_not_in_utf8_is_named_with_its_line(tmp_path: Path) -> None:
