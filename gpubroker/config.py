@@ -263,7 +263,7 @@ def toml_document(data: bytes) -> dict[str, Any]:
     """A TOML file's document; ValueError, naming the line, when it is not TOML, or not UTF-8 as TOML always is
     (whatever the locale says: a file is read the same by a shell and by a service)."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark (as some editors save one) is no part of the document
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         raise ValueError(f"not UTF-8, as a TOML file must be: byte {data[error.start]:#04x} at line {line}") from None

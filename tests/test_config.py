@@ -78,6 +78,12 @@ def test_allowed_hosts_are_names_and_addresses_as_a_host_header_names_them(tmp_p
     assert load_config(path).allowed_hosts == ("tower.lan", "gpu-box_2", "10.0.0.5", "fe80::1")
 
 
+def test_a_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "gpubroker.toml"
+    path.write_bytes(b'\xef\xbb\xbfreserve = "2GiB"\n')  # as Notepad saves UTF-8
+    assert load_config(path).reserve == 2 * 2**30
+
+
 def test_a_file_not_in_utf8_is_named_with_its_line(tmp_path: Path) -> None:
     path = tmp_path / "gpubroker.toml"
     path.write_bytes(b'reserve = "2GiB"\n# r\xe9serve for the desktop\n')
