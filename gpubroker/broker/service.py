@@ -760,7 +760,14 @@ class Broker:
         assert request.deadline is not None
         staying = [lease for lease in self.leases.values() if lease.preemption == "never" and lease.expires_at > request.deadline]
         budgets = compute_budgets(self.readings, leases_by_gpu(staying), self.config.reserve)
-        return isinstance(self._place(request, set(), budgets), Refusal)
+        decision = self._place(request, set(), budgets)
+        # A driver that cannot read a card, or has not read it lately, may read it before the deadline: only room
+        # held past it makes a request hopeless.
+        return (
+            isinstance(decision, Refusal)
+            and decision.code not in (FailureCode.DRIVER_ERROR, FailureCode.SCHEDULER_STATE_STALE)
+            and "unreadable" not in decision.details
+        )
 
     def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
         details = refusal.details

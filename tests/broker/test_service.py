@@ -589,6 +589,35 @@ async def test_a_gpu_whose_uuid_cannot_be_read_is_named_by_its_index_and_its_lea
     )
 
 
+async def test_a_request_with_a_deadline_for_a_gpu_that_cannot_be_read_waits_for_it(make_node: Callable[..., Any]) -> None:
+    """A card the driver cannot read now may be read again before the deadline: nothing holds its room past it."""
+    node = await make_node([24 * GIB, 24 * GIB])
+    node.probe.unreadable = {1: "nvmlDeviceGetMemoryInfo on GPU 1: GPU is lost (NVML error 15)"}
+    await node.sample()
+    waiting = asyncio.create_task(node.ask(gpu_memory="1GiB", gpu=1, deadline=rfc3339(node.clock.now() + 60)))
+    await settle()
+    assert not waiting.done(), waiting.exception()
+
+    node.probe.unreadable = {}
+    await node.sample()
+
+    lease, _ = await asyncio.wait_for(waiting, 5)
+    assert lease["gpus"][0]["index"] == 1
+
+
+async def test_a_request_with_a_deadline_on_a_stale_reading_waits_for_a_fresh_one(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.clock.advance(node.config.staleness + 1)  # the probe has not answered since
+    waiting = asyncio.create_task(node.ask(gpu_memory="1GiB", deadline=rfc3339(node.clock.now() + 60)))
+    await settle()
+    assert not waiting.done(), waiting.exception()
+
+    await node.sample()
+
+    lease, _ = await asyncio.wait_for(waiting, 5)
+    assert lease["state"] == "granted"
+
+
 async def test_a_production_request_on_a_node_not_eligible_is_capability_unavailable(make_node: Callable[..., Any]) -> None:
     node = await make_node(production_eligible=False)
     error = await node.refused(gpu_memory="1GiB", priority="production")
