@@ -104,7 +104,13 @@ def place(
     if driver_error is not None:
         return Refusal(FailureCode.DRIVER_ERROR, f"GPUs cannot be read: {driver_error}", {"driver_error": driver_error})
     usable = candidates(request, budgets)
-    unread = [u for u in unreadable if request.gpu is None or request.gpu in (u.index, u.uuid)]
+    # A pin matches an unreadable card by its index or UUID; by a UUID no card read has, also a card whose UUID is
+    # unknown (not even its handle could be had): it may be the card asked for.
+    unread = [
+        u
+        for u in unreadable
+        if request.gpu is None or request.gpu in (u.index, u.uuid) or (u.uuid is None and isinstance(request.gpu, str) and not usable)
+    ]
     if request.gpu is not None and unread and not usable:
         gpu = unread[0]
         return Refusal(

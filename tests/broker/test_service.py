@@ -618,6 +618,30 @@ async def test_a_request_with_a_deadline_on_a_stale_reading_waits_for_a_fresh_on
     assert lease["state"] == "granted"
 
 
+async def test_a_request_pinned_by_uuid_to_a_gpu_whose_uuid_cannot_be_read_waits_for_it(make_node: Callable[..., Any]) -> None:
+    """Not even the lost card's handle could be had, so nothing says it is not the GPU asked for by UUID: the
+    request is refused as a fault of the driver, and waits, not told there is no such GPU."""
+    node = await make_node([24 * GIB, 24 * GIB])
+    lost = "nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost (NVML error 15)"
+    node.probe.sizes, node.probe.uuids = [24 * GIB], ["GPU-fake-0"]
+    node.broker.apply_sample(node.probe.sample(), None, unreadable=[UnreadableGpu(1, None, lost)])
+
+    error = await node.refused(gpu_memory="1GiB", gpu="GPU-fake-1")
+    assert (error.code, error.message) == (
+        FailureCode.DRIVER_ERROR,
+        f"GPU 1 (UUID unknown) cannot be read: {lost}; it is not offered until it can be read again",
+    )
+    waiting = asyncio.create_task(node.ask(gpu_memory="1GiB", gpu="GPU-fake-1", wait="60s"))
+    await settle()
+    assert not waiting.done(), waiting.exception()
+
+    node.probe.sizes, node.probe.uuids = [24 * GIB, 24 * GIB], None
+    await node.sample()
+
+    lease, _ = await asyncio.wait_for(waiting, 5)
+    assert lease["gpus"][0]["uuid"] == "GPU-fake-1"
+
+
 async def test_a_production_request_on_a_node_not_eligible_is_capability_unavailable(make_node: Callable[..., Any]) -> None:
     node = await make_node(production_eligible=False)
     error = await node.refused(gpu_memory="1GiB", priority="production")
