@@ -532,8 +532,10 @@ class Broker:
                     details={"leases": sorted(on.held), "bytes": on.declared},
                 )
             )
-        for uuid in sorted((self._missing - missing) & seen.keys()):
-            writes.append(self._event("gpu.found", f"{uuid} is listed by the driver again, as GPU {seen[uuid]}", gpu=uuid))
+        listed = {**{gpu.uuid: gpu.index for gpu in unreadable if gpu.uuid is not None}, **seen}
+        for uuid in sorted((self._missing - missing) & listed.keys()):  # back, and read or not: it is listed again
+            read = "" if uuid in seen else ", which cannot be read"
+            writes.append(self._event("gpu.found", f"{uuid} is listed by the driver again, as GPU {listed[uuid]}{read}", gpu=uuid))
         self._missing = missing
         self.unreadable = list(unreadable)
         if log:

@@ -549,6 +549,31 @@ async def test_a_gpu_that_cannot_be_read_is_not_offered_while_the_others_are_bro
     assert on_0["id"] != on_1["id"]
 
 
+async def test_a_missing_card_listed_again_but_unreadable_is_said_found(make_node: Callable[..., Any]) -> None:
+    """A leased card the driver stopped listing that comes back unreadable is listed again: `gpu.found` says so,
+    and `gpu.unreadable` why it is not offered; read again, it says `gpu.readable`. Each once."""
+    node = await make_node([24 * GIB, 24 * GIB])
+    lease, _ = await node.ask(gpu_memory="8GiB", gpu=1)
+    node.probe.sizes = [24 * GIB]
+    await node.sample()
+    node.probe.sizes, node.probe.unreadable = [24 * GIB, 24 * GIB], {1: "nvmlDeviceGetMemoryInfo on GPU 1: GPU is lost (NVML error 15)"}
+    await node.sample()
+    await node.sample()
+    node.probe.unreadable = {}
+    await node.sample()
+
+    said = [(e["type"], e.get("gpu")) for e in await node.events() if e["type"].startswith("gpu.")]
+    assert said == [
+        ("gpu.missing", "GPU-fake-1"),
+        ("gpu.unreadable", "GPU-fake-1"),
+        ("gpu.found", "GPU-fake-1"),
+        ("gpu.readable", "GPU-fake-1"),
+    ]
+    [found] = await node.events("gpu.found")
+    assert found["message"] == "GPU-fake-1 is listed by the driver again, as GPU 1, which cannot be read"
+    assert node.broker.get(lease["id"])["state"] == "granted"
+
+
 async def test_a_request_waiting_for_a_gpu_that_cannot_be_read_is_granted_once_it_can(make_node: Callable[..., Any]) -> None:
     node = await make_node([24 * GIB, 24 * GIB])
     node.probe.unreadable = {1: "nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost (NVML error 15)"}
