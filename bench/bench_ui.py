@@ -136,6 +136,9 @@ class SimulatedGpus:
             readings.append(GpuReading(index, gpu_uuid, self.model, self.total, used, now, listed))
         return readings
 
+    def close(self) -> None:
+        """Nothing to let go."""
+
 
 @dataclass(slots=True)
 class NodeMade:
