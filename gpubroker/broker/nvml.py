@@ -34,12 +34,15 @@ class NvmlProbe:
         self._nvml: Any = nvml  # the pynvml module, or a fake of it; imported at the first sample
         self._clock = clock
         self._initialised = False
+        self._closed = False  # once closed, no sample starts NVML again
         self._lock = threading.Lock()  # sample() and close() may be called from different threads
 
     def sample(self) -> list[GpuReading]:
         """One reading per GPU, or `ProbeError` (`GpusUnreadable` when some GPUs alone cannot be read); NVML is
         initialised at the first success."""
         with self._lock:
+            if self._closed:
+                raise ProbeError("NVML is shut down: the broker is stopping")
             if self._nvml is None:
                 try:
                     self._nvml = importlib.import_module("pynvml")
@@ -77,7 +80,8 @@ class NvmlProbe:
             return readings
 
     def close(self) -> None:
-        """Shut NVML down if a sample initialised it; closing twice does nothing."""
+        """Shut NVML down if a sample initialised it; no sample starts it again. Closing twice does nothing."""
+        self._closed = True  # a sample waiting for the lock finds it so
         if not self._lock.acquire(timeout=CLOSE_WAIT):
             return  # a sample stuck in the driver holds NVML: the process's exit lets it go
         try:

@@ -281,6 +281,7 @@ def test_close_shuts_nvml_down_once_and_only_after_it_was_initialised() -> None:
     gpus.close()
     assert nvml.shutdown_calls == 0
 
+    gpus = probe(nvml)
     gpus.sample()
     gpus.close()
     gpus.close()
@@ -328,6 +329,16 @@ async def test_a_broker_that_stops_shuts_nvml_down_and_does_not_wait_for_a_stuck
         assert nvml.shutdown_calls == 1  # the stuck sample holds NVML; the process's exit lets it go
     finally:
         release.set()
+
+
+def test_a_sample_after_close_never_starts_nvml_again() -> None:
+    nvml = FakeNvml([FakeGpu()])
+    probe = NvmlProbe(nvml)
+    probe.sample()
+    probe.close()
+    with pytest.raises(ProbeError, match="shut down"):
+        probe.sample()  # a sampling thread that took the lock after the broker's stop
+    assert (nvml.init_calls, nvml.shutdown_calls) == (1, 1)
 
 
 async def test_a_broker_goes_on_brokering_the_gpus_nvml_reads_when_one_is_lost(tmp_path: Path) -> None:
