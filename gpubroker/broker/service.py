@@ -461,7 +461,9 @@ class Broker:
                         )
                     )
             for reclaim in [r for r in self._reclaims if r.uuid == gpu]:
-                held = sum(p.process.bytes or 0 for p in budget.processes if p.process.pid in reclaim.pids)
+                # Memory a live lease's processes use is that lease's, not left over: a worker that keeps its memory
+                # from one lease to the next must not pile up a reclaim per lease, each reported as not reclaimed.
+                held = sum(p.process.bytes or 0 for p in budget.processes if p.process.pid in reclaim.pids and p.lease is None)
                 if not held:
                     self._reclaims.remove(reclaim)
                 elif not reclaim.reported and now - reclaim.released_at >= self.config.reclaim_grace:
@@ -1181,6 +1183,11 @@ class Broker:
                 budget = budgets.get(gpu.uuid)
                 if budget is not None and budget.usage.get(lease.id):
                     pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
+                    # An earlier release's reclaim of these processes is this one's now: their memory was a later lease's.
+                    for earlier in [r for r in self._reclaims if r.uuid == gpu.uuid and r.pids & pids]:
+                        earlier.pids -= pids
+                        if not earlier.pids:
+                            self._reclaims.remove(earlier)
                     self._reclaims.append(_Reclaim(lease.id, gpu.uuid, pids, lease.ended_at or self.clock.now()))
         self._unhold(lease)
         self.over_declared_ids.discard(lease.id)

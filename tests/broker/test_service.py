@@ -766,6 +766,33 @@ async def test_memory_still_used_after_release_is_reported_and_counts_as_externa
     assert node.gpu()["figures"]["external"] == 8 * GIB
 
 
+async def test_a_worker_keeping_its_memory_from_lease_to_lease_leaves_one_reclaim_not_one_per_lease(
+    make_node: Callable[..., Any],
+) -> None:
+    """A worker that leases, releases and leases again for each job, its memory kept loaded throughout, must not
+    grow the broker's reclaims (and their reports) by one per job for as long as it runs."""
+    node = await make_node()
+    node.probe.processes[0] = [GpuProcess(4242, "worker", 8 * GIB)]
+    for _ in range(20):
+        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": 4242})
+        await node.sample()
+        await node.broker.release(lease["id"], TCP, token)  # released faster than it is sampled, too
+        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": 4242})
+        await node.broker.release(lease["id"], TCP, token)
+        node.clock.advance(1)
+        await node.sample()
+    assert len(node.broker._reclaims) == 1
+    node.clock.advance(20)
+    await node.sample()
+    await settle()
+    [reported] = await node.events("gpu.memory_not_reclaimed")
+    assert reported["lease"] == lease["id"]  # the last lease's, the one whose memory is still in use
+    again, _ = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": 4242})
+    await node.sample()  # its memory is a live lease's again: nothing is left over
+    assert node.broker._reclaims == []
+    assert node.gpu()["processes"][0]["lease"] == again["id"]
+
+
 async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_use(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, _ = await node.ask(gpu_memory="10GiB", holder={"name": "greedy", "pid": 4243})
