@@ -6,7 +6,7 @@ import base64
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gpubroker.units import rfc3339
@@ -128,10 +128,17 @@ class Lease:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Lease:
-        fields = dict(record)
-        fields["holder"] = Holder(**fields["holder"])
-        fields["gpus"] = [LeasedGpu(**g) for g in fields["gpus"]]
-        return cls(**fields)
+        """A stored lease. Fields this version does not know (a newer broker's, before a downgrade) are left out:
+        the lease is kept as far as this version understands it, rather than the store called unreadable."""
+        known = _known(Lease, record)
+        known["holder"] = Holder(**_known(Holder, record["holder"]))
+        known["gpus"] = [LeasedGpu(**_known(LeasedGpu, g)) for g in record["gpus"]]
+        return cls(**known)
+
+
+def _known(kind: type, record: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(kind)}
+    return {key: value for key, value in record.items() if key in names}
 
 
 def hash_token(token: str) -> str:
