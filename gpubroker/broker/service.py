@@ -95,6 +95,9 @@ class Waiter:
     enqueued_at: float
     granted: asyncio.Future[tuple[Lease, str]]
     reason: str = ""
+    # Whether it holds back the accelerators it could use from requests behind it: not while only cards the driver
+    # cannot read keep it out (a card fallen off the bus may not be back before a reboot).
+    claims: bool = True
     lease: Lease | None = None  # set once granted in memory, before it is durable
 
     @property
@@ -755,7 +758,7 @@ class Broker:
             return blocked
         budgets = self.budgets()
         for other in self.waiters:
-            if other.order < waiter.order and other.lease is None:
+            if other.order < waiter.order and other.lease is None and other.claims:
                 blocked.update(b.reading.index for b in candidates(other.request, budgets) if other.request.wants_gpus)
         return blocked
 
@@ -888,7 +891,7 @@ class Broker:
         request = waiter.request
         if self._stopping:
             raise self._refused(request, self._stopping_refusal(waiter.id))
-        waiter.reason = first.message
+        waiter.reason, waiter.claims = first.message, first.code is not FailureCode.DRIVER_ERROR
         self.waiters.append(waiter)
         self.waiters.sort(key=lambda w: w.order)
         self._record(
@@ -956,8 +959,8 @@ class Broker:
                 continue
             decision = self._place(waiter.request, blocked)
             if isinstance(decision, Refusal):
-                waiter.reason = decision.message
-                if waiter.request.wants_gpus:
+                waiter.reason, waiter.claims = decision.message, decision.code is not FailureCode.DRIVER_ERROR
+                if waiter.request.wants_gpus and waiter.claims:
                     blocked.update(b.reading.index for b in candidates(waiter.request, self.budgets()))
                 continue
             self.waiters.remove(waiter)

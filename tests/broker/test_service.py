@@ -589,6 +589,25 @@ async def test_a_request_waiting_for_a_gpu_that_cannot_be_read_is_granted_once_i
     assert lease["gpus"][0]["index"] == 1
 
 
+async def test_a_request_kept_out_only_by_a_card_that_cannot_be_read_holds_back_no_other_card(make_node: Callable[..., Any]) -> None:
+    node = await make_node([24 * GIB, 24 * GIB])
+    node.probe.unreadable = {1: "nvmlDeviceGetHandleByIndex on GPU 1: GPU is lost (NVML error 15)"}
+    await node.sample()
+    both = asyncio.create_task(node.ask(gpu_memory="4GiB", gpus=2, wait="1h", priority="production"))
+    await settle()
+    assert not both.done()
+
+    small, token = await node.ask(gpu_memory="4GiB")  # behind it, of a lower class: GPU 0 is not held back for it
+    assert small["gpus"][0]["index"] == 0
+    await node.broker.release(small["id"], TCP, token)  # the release's scan holds nothing back for it either
+    assert (await node.ask(gpu_memory="4GiB"))[0]["gpus"][0]["index"] == 0
+
+    node.probe.unreadable = {}
+    await node.sample()  # the card is back: the request is granted, and claims as any waiter again meanwhile
+    lease, _ = await asyncio.wait_for(both, 5)
+    assert sorted(g["index"] for g in lease["gpus"]) == [0, 1]
+
+
 async def test_a_gpu_whose_uuid_cannot_be_read_is_named_by_its_index_and_its_leases_said_missing(
     make_node: Callable[..., Any],
 ) -> None:
