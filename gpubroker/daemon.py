@@ -55,10 +55,37 @@ def make_probe(config: Config) -> GpuProbe:
     return NvmlProbe()
 
 
+def make_dirs(path: Path) -> None:
+    """Make `path` and its missing parents writable by this user alone, whatever the umask (000 would make them
+    writable by all): a local user who could write there could put a cluster, a key or a socket of their own in."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o755)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: refused below if others may write it
+        os.chmod(directory, stat.S_IMODE(directory.stat().st_mode) & ~0o022)  # the umask may narrow the mode, never widen it
+
+
+def writable_by_others(directory: Path, sticky_protects: bool = False) -> bool:
+    """Whether users other than its owner and group may change what `directory` holds (a sticky bit, as on /tmp, keeps
+    them from removing or renaming our files there, where `sticky_protects`)."""
+    mode = directory.stat().st_mode
+    return bool(mode & stat.S_IWOTH) and not (sticky_protects and mode & stat.S_ISVTX)
+
+
 def lock_state(state_dir: Path) -> int:
     """One broker per state directory: a second would fight over the same leases."""
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(state_dir)
+        if writable_by_others(state_dir):
+            raise StartError(
+                f"the state directory {state_dir} is writable by every user (mode {stat.S_IMODE(state_dir.stat().st_mode):o}): anyone could "
+                f"replace its store, cluster or keys; `chmod o-w {state_dir}`, or give --state another directory"
+            )
         fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as error:
         raise StartError(f"cannot use {state_dir} as the state directory: {error.strerror}; give --state another directory") from None
@@ -102,7 +129,12 @@ def _free_socket(path: Path) -> None:
     if (length := len(os.fsencode(path))) > SOCKET_PATH_MAX:
         raise StartError(f"the socket path {path} is {length} bytes; a Unix socket's is at most {SOCKET_PATH_MAX}: give a shorter --socket")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
+        if writable_by_others(path.parent, sticky_protects=True):
+            raise StartError(
+                f"the socket's directory {path.parent} is writable by every user and not sticky: anyone could put a socket of their "
+                f"own in the broker's place and read its callers' tokens; `chmod o-w {path.parent}`, or give --socket another path"
+            )
         mode = path.lstat().st_mode
     except FileNotFoundError:
         return

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import errno
+import os
+import pwd
 import socket
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,3 +29,78 @@ def test_a_stale_socket_that_cannot_be_removed_is_a_start_error_saying_so(tmp_pa
     monkeypatch.setattr(Path, "unlink", refused)  # another user's socket in a sticky directory
     with pytest.raises(daemon.StartError, match=f"cannot remove {path}, a socket no broker answers on: Operation not permitted"):
         daemon._free_socket(path)
+
+
+@pytest.fixture
+def umask_000() -> Iterator[None]:
+    """The broker started from a shell whose umask is 000: every mode it asks for is what it gets."""
+    before = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
+def _others_may_write(path: Path) -> bool:
+    return bool(path.stat().st_mode & 0o022)
+
+
+@pytest.mark.usefixtures("umask_000")
+def test_under_umask_000_the_state_and_socket_directories_made_are_writable_by_the_broker_alone(tmp_path: Path) -> None:
+    """A directory every user may write lets anyone put a socket of their own where clients send their tokens, or a
+    cluster.json of their own where the broker reads its cluster at its next start."""
+    state, sock = tmp_path / "var" / "state", tmp_path / "run" / "gpubroker" / "api.sock"
+    os.close(daemon.lock_state(state))
+    daemon._free_socket(sock)
+    for made in (state, state.parent, sock.parent, sock.parent.parent):
+        assert not _others_may_write(made), f"{made} is {stat.S_IMODE(made.stat().st_mode):o}"
+        assert made.stat().st_mode & 0o005 == 0o005  # others still reach the socket, as before
+
+
+def test_a_state_directory_every_user_may_write_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o1777)  # even sticky: anyone could still add a cluster.json or an identity/ of their own
+    with pytest.raises(daemon.StartError, match=rf"the state directory {state} is writable by every user \(mode 1777\).*chmod o-w"):
+        daemon.lock_state(state)
+    assert not (state / "lock").exists()
+
+
+def test_a_socket_directory_every_user_may_write_is_refused_unless_sticky(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o777)
+    with pytest.raises(daemon.StartError, match=rf"the socket's directory {run} is writable by every user and not sticky"):
+        daemon._free_socket(run / "api.sock")
+    run.chmod(0o1777)  # as /tmp: nobody else may remove or rename the broker's socket there
+    daemon._free_socket(run / "api.sock")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to try the directories as another user")
+@pytest.mark.usefixtures("umask_000")
+def test_under_umask_000_another_user_can_neither_add_to_the_state_nor_replace_the_socket() -> None:
+    # Not under tmp_path, whose parents only root may enter: here others reach what the broker makes, as /var/lib and /run.
+    with tempfile.TemporaryDirectory() as top:
+        os.chmod(top, 0o755)
+        assert _attempts_of_nobody(Path(top)) == ["refused", "refused"]
+
+
+def _attempts_of_nobody(top: Path) -> list[str]:
+    state, sock = top / "state", top / "run" / "api.sock"
+    os.close(daemon.lock_state(state))
+    daemon._free_socket(sock)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listening:
+        listening.bind(str(sock))
+        # A shell, not this interpreter: it may live where the other user cannot read (root's home).
+        attempt = 'for act in "touch $1/cluster.json" "rm -f $2"; do $act 2>/dev/null && echo done || echo refused; done'
+        someone = pwd.getpwnam("nobody")
+        done = subprocess.run(
+            ["sh", "-c", attempt, "sh", str(state), str(sock)],
+            user=someone.pw_uid,
+            group=someone.pw_gid,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return done.stdout.split()
