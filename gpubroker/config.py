@@ -251,6 +251,11 @@ class Config:
     def socket_path(self) -> Path:
         return self.socket if self.socket is not None else default_socket()
 
+    @property
+    def user_stamps(self) -> bool:
+        """Whether a stamp names a Unix user: then a TCP caller's user is looked up too."""
+        return any(stamp.user is not None for stamp in self.stamps)
+
     def stamped_class(self, requested: str, user: str | None, holder: str | None) -> str:
         """The class a request gets once this node's stamps are applied."""
         for stamp in self.stamps:

@@ -64,6 +64,9 @@ class Caller:
     transport: str  # "unix", "tcp" or "peer" (a member forwarding a request)
     uid: int | None = None
     pid: int | None = None
+    # On loopback TCP, the uid the kernel lists as owning the caller's end (/proc/net/tcp): whom [[stamp]] user
+    # applies to, so that a stamped user cannot leave its class by asking over TCP. It authorises nothing.
+    tcp_uid: int | None = None
     admin: str | None = None  # one of ADMINS: this caller may act on any lease
     admin_of: str | None = None  # the node whose admin it is, where that is worth saying
 
@@ -76,12 +79,14 @@ class Caller:
 
     @property
     def user(self) -> str | None:
-        if self.uid is None:
+        """The Unix user stamps apply to: the socket's caller, or the owner of a loopback TCP caller's end."""
+        uid = self.uid if self.uid is not None else self.tcp_uid
+        if uid is None:
             return None
         try:
-            return pwd.getpwuid(self.uid).pw_name
+            return pwd.getpwuid(uid).pw_name
         except KeyError:
-            return str(self.uid)
+            return str(uid)
 
 
 @dataclass(eq=False, slots=True)

@@ -345,6 +345,48 @@ def _token(request: web.Request) -> str | None:
     return request.headers.get("X-Lease-Token")
 
 
+def loopback_peer_uid(sock: socket.socket) -> int | None:
+    """The uid that owns the other end of a TCP connection from this machine, as the kernel lists it in
+    /proc/net/tcp (what identd reads); None for a caller elsewhere, or one not listed (it has gone)."""
+    try:
+        local, peer = sock.getsockname(), sock.getpeername()
+        if not is_loopback(peer[0]):
+            return None
+        table = "/proc/net/tcp6" if sock.family == socket.AF_INET6 else "/proc/net/tcp"
+        # The caller's own socket is listed with its address first and ours second.
+        wanted = (_proc_net_address(sock.family, peer[0], peer[1]), _proc_net_address(sock.family, local[0], local[1]))
+        with open(table) as lines:
+            for line in lines:
+                fields = line.split()
+                if len(fields) > 7 and (fields[1], fields[2]) == wanted:
+                    return int(fields[7])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _proc_net_address(family: int, host: str, port: int) -> str:
+    """An address as /proc/net/tcp writes it: each 32-bit word of the address in host order (little-endian here), in hex."""
+    packed = socket.inet_pton(family, host.split("%")[0])
+    words = b"".join(packed[i : i + 4][::-1] for i in range(0, len(packed), 4))
+    return f"{words.hex().upper()}:{port:04X}"
+
+
+async def _stamped_caller(request: web.Request) -> Caller:
+    """The caller, and on TCP where a [[stamp]] names a user, who owns its end of the connection (read once per connection)."""
+    caller = _caller(request)
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if caller.transport != "tcp" or caller.tcp_uid is not None or sock is None or not request.app[CONFIG].user_stamps:
+        return caller
+    uid = await asyncio.to_thread(loopback_peer_uid, sock)
+    if uid is not None:
+        caller = request[CALLER] = replace(caller, tcp_uid=uid)
+        if caller.admin is None and transport is not None:
+            _BY_CONNECTION[transport] = caller
+    return caller
+
+
 async def create_lease(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     try:
@@ -352,13 +394,14 @@ async def create_lease(request: web.Request) -> web.Response:
     except InvalidRequest as error:  # refused before any decision: still a lease request, counted by its result
         broker.stats.record(error.code.value, 0.0)
         raise
+    caller = await _stamped_caller(request)
     prepared: list[web.Response] = []
 
     def prepare(lease: Lease, token: str) -> None:
         prepared.append(_created(lease, token))
 
     try:
-        lease, token = await broker.request(lease_request, _caller(request), prepare)
+        lease, token = await broker.request(lease_request, caller, prepare)
     except Refusal as refusal:
         mesh = request.app[MESH].mesh
         if mesh is not None and refusal.code in ROOM_CODES and lease_request.wants_gpus:

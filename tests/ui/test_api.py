@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import socket as sockets
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.membership import MemberView
 from gpubroker.gossip.mesh import Mesh, MeshSettings
 from gpubroker.gossip.messages import MemberState
-from gpubroker.ui.api import make_app
+from gpubroker.ui.api import loopback_peer_uid, make_app
 from gpubroker.ui.metrics import Metrics
 
 
@@ -169,6 +170,35 @@ def test_a_waiting_request_is_cancelled_when_its_client_disconnects(broker: Brok
 
     wait_for(lambda: len(waiting_events()) == 2)
     assert waiting_events() == ["lease.queued", "lease.cancelled"]
+
+
+def test_a_user_stamped_to_a_class_gets_it_over_tcp_too(broker_process: type[BrokerProcess], tmp_path: Path) -> None:
+    """Over TCP nobody names the caller, but the kernel lists who owns its end of a loopback connection: a stamp on a
+    user must not be escaped by asking on the TCP port instead of the socket."""
+    me = pwd.getpwuid(os.getuid()).pw_name
+    config = tmp_path / "stamp.toml"
+    config.write_text(f'[[stamp]]\nuser = "{me}"\npriority = "background"\n')
+    stamped = broker_process("1x24GiB", ["--config", str(config)]).start()
+    for client in (stamped.client(), stamped.client(tcp=True)):
+        lease = client.call("POST", "/v1/leases", {"memory": 1, "priority": "production", "bind": "none"})["lease"]
+        assert lease["priority"] == "background"
+    assert lease["holder"]["uid"] is None  # it authorises nothing: only its token acts on a lease made over TCP
+
+
+def test_the_owner_of_a_loopback_tcp_callers_end_is_read_from_the_kernel() -> None:
+    for family, host in ((sockets.AF_INET, "127.0.0.1"), (sockets.AF_INET6, "::1")):
+        try:
+            server = sockets.socket(family, sockets.SOCK_STREAM)
+            server.bind((host, 0))
+        except OSError:
+            continue  # no IPv6 here
+        with server, sockets.socket(family, sockets.SOCK_STREAM) as caller:
+            server.listen()
+            caller.connect(server.getsockname()[:2])
+            accepted, _ = server.accept()
+            with accepted:
+                assert loopback_peer_uid(accepted) == os.getuid()
+            assert loopback_peer_uid(caller) == os.getuid()  # either end: the table lists both
 
 
 def test_host_and_origin_are_checked_on_tcp_only_as_the_kernel_names_a_socket_caller(broker: BrokerProcess) -> None:
