@@ -16,7 +16,7 @@ import secrets
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
@@ -707,13 +707,17 @@ class Broker:
                 ),
             )
         waits = request.wait > 0 or request.deadline is not None
-        if waits and sum(1 for w in self.waiters if w.request.priority == priority) >= self.config.queue_limit:
+        queued = [w for w in self.waiters if w.request.priority == priority]
+        if waits and len(queued) >= self.config.queue_limit:
+            # Who fills it: one user's flood must be told apart from a busy machine, and named.
+            by_whom = Counter(w.caller.user or w.caller.admin_name or f"anonymous ({w.caller.transport})" for w in queued)
+            whom = ", ".join(f"{who} {count}" for who, count in sorted(by_whom.items(), key=lambda item: (-item[1], item[0])))
             raise self._refused(
                 request,
                 Refusal(
                     FailureCode.QUEUE_FULL,
-                    f"{self.config.queue_limit} {priority} requests already wait on node {self.config.name}; the queue holds {self.config.queue_limit}",
-                    {"priority": priority, "queue_limit": self.config.queue_limit},
+                    f"{len(queued)} {priority} requests already wait on node {self.config.name} ({whom}); the queue holds {self.config.queue_limit}",
+                    {"priority": priority, "queue_limit": self.config.queue_limit, "waiting_by_user": dict(by_whom)},
                 ),
             )
         self._waiter_seq += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -219,6 +220,24 @@ async def test_events_reach_the_writer_in_the_order_of_their_seqs_so_a_follower_
     node.broker.record_event("mesh.keys", "and another")
     await node.events()
     assert handed == sorted(handed), handed
+
+
+async def test_queue_full_names_the_users_whose_requests_fill_the_queue(make_node: Callable[..., Any]) -> None:
+    """One user flooding a class's queue shuts everyone else out of it: the refusal says who it is."""
+    node = await make_node(queue_limit=3)
+    await node.ask(gpu_memory="20GiB")
+    flooder = Caller("unix", uid=os.getuid(), pid=None)
+    waiting = [asyncio.create_task(node.ask(flooder, gpu_memory="10GiB", wait="1m")) for _ in range(2)]
+    waiting.append(asyncio.create_task(node.ask(gpu_memory="10GiB", wait="1m")))  # over TCP: nobody named it
+    await settle()
+    error = await node.refused(Caller("unix", uid=os.getuid() + 1, pid=None), gpu_memory="10GiB", wait="1m")
+    assert error.code is FailureCode.QUEUE_FULL
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert f"3 interactive requests already wait on node tower ({me} 2, anonymous (tcp) 1)" in error.message
+    assert error.details["waiting_by_user"] == {me: 2, "anonymous (tcp)": 1}
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
 
 
 async def test_the_seventeenth_waiting_request_of_a_class_gets_queue_full(make_node: Callable[..., Any]) -> None:
