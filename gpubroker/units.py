@@ -125,16 +125,17 @@ def gib(size: int | None) -> str:
     return f"{size / 2**30:.1f}"
 
 
-def short_by(need: int, have: int) -> str:
+def short_by(need: int, have: int, what: str = "left") -> str:
     """What a refusal adds to `needs {gib(need)}` when one decimal shows the need and what is left alike
-    ("17.0 schedulable; needs 17.0"): by how much it falls short, so the message says why."""
+    ("17.0 schedulable; needs 17.0"): by how much it falls short, so the message says why. `what` names
+    the figure it falls short of ("left", "in all", "it can lease")."""
     if need <= have or gib(need) != gib(have):
         return ""
     short = need - have
     return (
-        f" ({-(-short // 2**20)} MiB more than the {gib(have)} left)"
+        f" ({-(-short // 2**20)} MiB more than the {gib(have)} {what})"
         if short >= 2**20
-        else f" ({short} bytes more than the {gib(have)} left)"
+        else f" ({short} bytes more than the {gib(have)} {what})"
     )
 
 

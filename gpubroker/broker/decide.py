@@ -72,7 +72,10 @@ def _host_refusal(request: LeaseRequest, host: HostBudget) -> Refusal | None:
         show = (lambda v: f"{gib(v)} GiB") if in_bytes else str
         details = {"resource": what, "need": need, "total": total, "leased": leased, "schedulable": max(0, total - leased)}
         if need > total:
-            return Refusal(FailureCode.CAPABILITY_UNAVAILABLE, f"{what}: this node has {show(total)} in all; needs {show(need)}", details)
+            short = short_by(need, total, "in all") if in_bytes else ""
+            return Refusal(
+                FailureCode.CAPABILITY_UNAVAILABLE, f"{what}: this node has {show(total)} in all; needs {show(need)}{short}", details
+            )
         if need > total - leased:
             short = short_by(need, total - leased) if in_bytes else ""
             return Refusal(
@@ -134,6 +137,8 @@ def place(
         largest = max(usable, key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index))
         most = largest.figures.total - largest.figures.reserve
         asked = "the whole GPU" if request.exclusive else f"{gib(request.gpu_memory)} GiB"
+        # Pinned, the one GPU asked for is named as such, not as "the largest here" when a larger one may be here.
+        which = f"the GPU pinned, {largest.label()}" if request.gpu is not None else f"the largest here, {largest.label()}"
         if unread:  # what a card that cannot be read could lease is not known: it is no reason to give up waiting
             return _unreadable_refusal(
                 f"{asked} asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
@@ -143,8 +148,9 @@ def place(
         return Refusal(
             FailureCode.CAPABILITY_UNAVAILABLE,
             f"{asked} asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
-            f"the largest here, {largest.label()}, can lease {f'at most {gib(most)} GiB' if most > 0 else 'nothing'} "
-            f"(its total less the {gib(largest.figures.reserve)} GiB reserve)",
+            f"{which}, can lease {f'at most {gib(most)} GiB' if most > 0 else 'nothing'} "
+            f"(its total less the {gib(largest.figures.reserve)} GiB reserve)"
+            f"{'' if request.exclusive else short_by(request.gpu_memory, most, 'it can lease')}",
             {"need": request.gpu_memory, "need_gpus": request.gpus, **_figures(largest)},
         )
     fresh = [b for b in usable if now - b.reading.observed_at <= staleness]
@@ -179,7 +185,14 @@ def _unreadable_refusal(what: str, unread: Sequence[UnreadableGpu]) -> Refusal:
 def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]) -> Refusal:
     need = request.gpu_memory
     best = max(fresh, key=lambda b: (b.figures.schedulable, -b.reading.index))
-    needs = "needs the whole GPU" if request.exclusive else f"needs {gib(need)}{short_by(need, best.figures.schedulable)}"
+    # With several GPUs asked for, what decides is the room of the last one it would need, not of the best.
+    nth = sorted(fresh, key=lambda b: (-b.figures.schedulable, b.reading.index))[min(request.gpus, len(fresh)) - 1]
+    if request.exclusive:
+        needs = "needs the whole GPU" if request.gpus == 1 else f"needs {request.gpus} whole GPUs"
+    elif request.gpus > 1:
+        needs = f"needs {request.gpus} GPUs with {gib(need)} each{short_by(need, nth.figures.schedulable)}"
+    else:
+        needs = f"needs {gib(need)}{short_by(need, best.figures.schedulable)}"
     details: dict[str, Any] = {"need": need, "need_gpus": request.gpus, **_figures(best)}
     if len(fresh) > 1:
         details["considered"] = [_figures(b) for b in fresh]
@@ -189,7 +202,7 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]
         message = "; ".join(f"{b.explain()}; claimed by requests waiting ahead" for b in waiting)
         return Refusal(FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, f"{message}; {needs}", details)
     held = [b for b in fresh if b.exclusive_holder or (request.exclusive and b.leases)]
-    if held and len(held) == len(fresh):
+    if held and len(fresh) - len(held) < request.gpus:  # too few GPUs are free of the leases that hold the others
         owners = ", ".join(f"{b.label()} held by {b.exclusive_holder or ', '.join(x.id for x in b.leases)}" for b in held)
         return Refusal(FailureCode.LEASE_CONFLICT, f"{owners}; {needs}", details)
     pressed = [b for b in fresh if b.pressure]
@@ -198,8 +211,4 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]
     message = "; ".join(b.explain() for b in shown)
     if code is FailureCode.EXTERNAL_GPU_PRESSURE:
         message += " (external usage has grown into leased or reserved memory)"
-    if request.gpus > 1:
-        message += f"; needs {request.gpus} GPUs with {gib(need)} each{short_by(need, best.figures.schedulable)}"
-    else:
-        message += f"; {needs}"
-    return Refusal(code, message, details)
+    return Refusal(code, f"{message}; {needs}", details)

@@ -921,20 +921,22 @@ class Broker:
             if waiter.lease is not None:  # granted in the same instant: being made durable
                 return await waiter.granted
             still = self._place(request, self._claimed_ahead(waiter))  # why it waits now: ages and figures move on
+            why = first.details
             if isinstance(still, Refusal):
-                waiter.reason = still.message
+                # The figures given are those the message gives: the ones at the end of the wait, not at its start.
+                waiter.reason, why = still.message, still.details
             self._drop_waiter(waiter)
             if request.deadline is not None and until >= request.deadline:
                 refusal = Refusal(
                     FailureCode.DEADLINE_CANNOT_BE_MET,
                     f"not granted by the deadline {rfc3339(request.deadline)}: {waiter.reason}",
-                    {**first.details, "deadline": rfc3339(request.deadline)},
+                    {**why, "deadline": rfc3339(request.deadline)},
                 )
             else:
                 refusal = Refusal(
                     FailureCode.LEASE_TIMEOUT,
                     f"not granted within {request.wait:g}s: {waiter.reason}",
-                    {**first.details, "wait": request.wait},
+                    {**why, "wait": request.wait},
                 )
             raise self._refused(request, refusal) from None
         except asyncio.CancelledError:

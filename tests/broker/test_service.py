@@ -130,6 +130,59 @@ async def test_a_near_miss_says_by_how_much_when_the_figures_read_alike(make_nod
     assert (await node.refused(gpu_memory="18GiB")).message.endswith("→ 17.0 schedulable; needs 18.0")  # told apart already
 
 
+async def test_a_request_larger_than_any_gpu_says_by_how_much_when_the_figures_read_alike(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    memory = node.broker.host.memory
+    gpu = await node.refused(gpu_memory=23 * GIB + 1)  # "23.0 GiB asked for"; at most 23.0 GiB can be leased
+    assert gpu.code is FailureCode.CAPABILITY_UNAVAILABLE
+    assert gpu.message.endswith("(its total less the 1.0 GiB reserve) (1 bytes more than the 23.0 it can lease)")
+    host = await node.refused(memory=memory + 2 * MIB)
+    assert host.code is FailureCode.CAPABILITY_UNAVAILABLE
+    assert host.message.endswith("(2 MiB more than the " + f"{memory / GIB:.1f} in all)")
+
+
+async def test_a_request_too_large_for_the_gpu_it_pins_names_that_gpu_not_the_largest(make_node: Callable[..., Any]) -> None:
+    node = await make_node(sizes=[12 * GIB, 40 * GIB])
+    error = await node.refused(gpu_memory="18GiB", gpu=0)
+    assert error.code is FailureCode.CAPABILITY_UNAVAILABLE
+    assert "the GPU pinned, GPU 0 (RTX 4090, 12.0 GiB), can lease at most 11.0 GiB" in error.message
+    assert "largest" not in error.message
+
+
+async def test_a_request_for_several_gpus_is_measured_against_the_last_one_it_needs(make_node: Callable[..., Any]) -> None:
+    node = await make_node(sizes=[24 * GIB, 40 * GIB])
+    node.probe.external(0, 6 * GIB - 10 * MIB)  # 17 GiB and 10 MiB schedulable on GPU 0, 39 GiB on GPU 1
+    await node.sample()
+    error = await node.refused(gpu_memory=f"{17 * 1024 + 20}MiB", gpus=2)
+    assert error.message.endswith("needs 2 GPUs with 17.0 each (10 MiB more than the 17.0 left)")
+
+
+async def test_whole_gpus_held_by_leases_are_a_lease_conflict_naming_them(make_node: Callable[..., Any]) -> None:
+    node = await make_node(sizes=[24 * GIB, 24 * GIB, 24 * GIB])
+    held = [(await node.ask(gpu_memory="1GiB", gpu=index))[0]["id"] for index in (0, 1)]
+    error = await node.refused(exclusive=True, gpus=2)
+    assert error.code is FailureCode.LEASE_CONFLICT
+    assert error.message == (
+        f"GPU 0 (RTX 4090, 24.0 GiB) held by {held[0]}, GPU 1 (RTX 4090, 24.0 GiB) held by {held[1]}; needs 2 whole GPUs"
+    )
+    assert "0.0 each" not in (await node.refused(exclusive=True, gpus=3)).message
+
+
+async def test_a_wait_that_runs_out_gives_the_figures_its_message_gives(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    node.probe.external(0, 6 * GIB)
+    await node.sample()
+    waiting = asyncio.create_task(node.refused(gpu_memory="18GiB", wait="300ms"))
+    await asyncio.sleep(0.05)
+    node.probe.external(0, 8 * GIB)  # the figures move while it waits
+    await node.sample()
+    error = await waiting
+    assert error.code is FailureCode.LEASE_TIMEOUT
+    assert "8.0 external (ollama 8.0)" in error.message
+    assert error.details["figures"]["external"] == 8 * GIB
+    assert error.details["figures"]["schedulable"] == 15 * GIB
+
+
 async def test_a_gpu_pinned_by_its_index_as_a_string_is_that_gpu(make_node: Callable[..., Any]) -> None:
     node = await make_node(sizes=[24 * GIB, 24 * GIB])
     lease, _ = await node.ask(gpu_memory="1GiB", gpu="1")
