@@ -135,7 +135,7 @@ def short_by(need: int, have: int, what: str = "left") -> str:
     return (
         f" ({-(-short // 2**20)} MiB more than the {gib(have)} {what})"
         if short >= 2**20
-        else f" ({short} bytes more than the {gib(have)} {what})"
+        else f" ({short} byte{'s' * (short != 1)} more than the {gib(have)} {what})"
     )
 
 

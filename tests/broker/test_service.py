@@ -135,7 +135,7 @@ async def test_a_request_larger_than_any_gpu_says_by_how_much_when_the_figures_r
     memory = node.broker.host.memory
     gpu = await node.refused(gpu_memory=23 * GIB + 1)  # "23.0 GiB asked for"; at most 23.0 GiB can be leased
     assert gpu.code is FailureCode.CAPABILITY_UNAVAILABLE
-    assert gpu.message.endswith("(its total less the 1.0 GiB reserve) (1 bytes more than the 23.0 it can lease)")
+    assert gpu.message.endswith("(its total less the 1.0 GiB reserve) (1 byte more than the 23.0 it can lease)")
     host = await node.refused(memory=memory + 2 * MIB)
     assert host.code is FailureCode.CAPABILITY_UNAVAILABLE
     assert host.message.endswith("(2 MiB more than the " + f"{memory / GIB:.1f} in all)")
