@@ -135,10 +135,15 @@ def place(
     large_enough = [b for b in usable if request.gpu_memory <= b.figures.total - b.figures.reserve]
     if len(large_enough) < request.gpus:  # it cannot fit even on an empty GPU: waiting would never end
         largest = max(usable, key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index))
-        most = largest.figures.total - largest.figures.reserve
         asked = "the whole GPU" if request.exclusive else f"{gib(request.gpu_memory)} GiB"
         # Pinned, the one GPU asked for is named as such, not as "the largest here" when a larger one may be here.
         which = f"the GPU pinned, {largest.label()}" if request.gpu is not None else f"the largest here, {largest.label()}"
+        if large_enough:  # several asked for, and some are large enough: what decides is the largest of the others
+            largest = max(
+                (b for b in usable if b not in large_enough), key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index)
+            )
+            which = f"only {len(large_enough)} GPU{'s' if len(large_enough) > 1 else ''} here can lease that much; the next largest, {largest.label()}"
+        most = largest.figures.total - largest.figures.reserve
         if unread:  # what a card that cannot be read could lease is not known: it is no reason to give up waiting
             return _unreadable_refusal(
                 f"{asked} asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "

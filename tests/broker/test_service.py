@@ -183,6 +183,17 @@ async def test_a_wait_that_runs_out_gives_the_figures_its_message_gives(make_nod
     assert error.details["figures"]["schedulable"] == 15 * GIB
 
 
+async def test_several_gpus_too_large_for_all_but_some_name_the_gpu_that_decides(make_node: Callable[..., Any]) -> None:
+    node = await make_node([24 * GIB, 12 * GIB, 40 * GIB])
+    error = await node.refused(gpu_memory="30GiB", gpus=2)
+    assert error.code is FailureCode.CAPABILITY_UNAVAILABLE
+    assert error.message == (
+        "30.0 GiB asked for on 2 GPUs; only 1 GPU here can lease that much; the next largest, GPU 0 (RTX 4090, 24.0 GiB), "
+        "can lease at most 23.0 GiB (its total less the 1.0 GiB reserve)"
+    )
+    assert error.details["index"] == 0
+
+
 async def test_a_gpu_pinned_by_its_index_as_a_string_is_that_gpu(make_node: Callable[..., Any]) -> None:
     node = await make_node(sizes=[24 * GIB, 24 * GIB])
     lease, _ = await node.ask(gpu_memory="1GiB", gpu="1")
