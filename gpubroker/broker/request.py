@@ -163,7 +163,10 @@ def parse_request(body: Any) -> LeaseRequest:
         raise _invalid("labels", f"must be an object of at most {MAX_LABELS} string values")
     for key, value in labels.items():
         _text(key, "labels")
-        _text(value, "labels", empty=True)
+        try:
+            _text(value, "labels", empty=True)
+        except InvalidRequest as error:  # which label: its key is known to be printable text by now
+            raise _invalid("labels", f"the value of {key!r} {error.message.removeprefix('labels: ')}") from None
     return LeaseRequest(
         gpu_memory=gpu_memory,
         gpus=gpus,

@@ -330,3 +330,10 @@ def test_a_huge_integer_ttl_is_an_invalid_request(name: str) -> None:
 @pytest.mark.parametrize("name", ["exclusive", "labels"])
 def test_null_exclusive_or_labels_is_the_same_as_leaving_it_out(name: str) -> None:
     assert _refusal({"cpu_cores": 1, name: None}) is None
+
+
+def test_a_label_value_that_is_not_text_is_refused_naming_its_label() -> None:
+    error = _refusal({"cpu_cores": 1, "labels": {"team": "ml", "run": 7}})
+    assert error is not None
+    assert _named(error) == "labels"
+    assert error.message == f"labels: the value of 'run' must be a string of at most {MAX_TEXT} characters"
