@@ -76,6 +76,11 @@ class Store:
         self._events_kept = events_kept
         path.mkdir(parents=True, exist_ok=True)
         self._path = path
+        data = path / "store" / "data.mdb"
+        # LMDB takes an empty data file for a new store and writes one over it: the leases would be forgotten and the
+        # epochs begin again. It writes its header as it makes the file, so an empty one was cut short, never new.
+        if data.exists() and data.stat().st_size == 0:
+            raise StoreDamaged(self.damaged(f"{data} is empty: it was cut short"))
         # sync and metasync: every acknowledged commit survives kill -9 and power loss.
         try:
             self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpubroker.broker.store import PRUNE_EVERY, Store, Write, seq_key
+from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
 from gpubroker.errors import StoreFull
 
 
@@ -110,3 +111,19 @@ async def test_a_full_store_says_what_to_do_and_the_log_says_so_once_and_when_it
         store.stop()
     logged = capsys.readouterr().err.splitlines()
     assert logged == ["gpubroker: the state store is full (1.0 MiB)", "gpubroker: the state store can be written again"]
+
+
+async def test_a_store_cut_short_to_nothing_is_refused_not_begun_again_empty(tmp_path: Path) -> None:
+    """LMDB takes an empty data file for a new store: the leases would be forgotten and the epochs begin again."""
+    store = Store(tmp_path, 16 * 2**20)
+    store.start()
+    try:
+        await store.commit(_put(1))
+    finally:
+        store.stop()
+    data = tmp_path / "store" / "data.mdb"
+    os.truncate(data, 0)
+    with pytest.raises(StoreDamaged) as damaged:
+        Store(tmp_path, 16 * 2**20)
+    assert "is empty" in str(damaged.value)
+    assert data.stat().st_size == 0  # left as it was, for whoever restores it
