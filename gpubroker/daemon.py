@@ -66,7 +66,7 @@ def make_dirs(path: Path) -> None:
         try:
             directory.mkdir(mode=0o755)
         except FileExistsError:
-            continue  # made meanwhile by someone else: refused below if others may write it
+            continue  # made meanwhile by someone else: refused below if others may write it or own it
         os.chmod(directory, stat.S_IMODE(directory.stat().st_mode) & ~0o022)  # the umask may narrow the mode, never widen it
 
 
@@ -77,6 +77,18 @@ def writable_by_others(directory: Path, sticky_protects: bool = False) -> bool:
     return bool(mode & stat.S_IWOTH) and not (sticky_protects and mode & stat.S_ISVTX)
 
 
+def owned_by_another(directory: Path) -> str | None:
+    """The user `directory` belongs to where that is neither this user nor root: whoever owns it may change what it
+    holds, whatever its mode (one made first in a sticky /tmp, say)."""
+    owner = directory.stat().st_uid
+    if owner in (os.geteuid(), 0):
+        return None
+    try:
+        return pwd.getpwuid(owner).pw_name
+    except KeyError:
+        return str(owner)
+
+
 def lock_state(state_dir: Path) -> int:
     """One broker per state directory: a second would fight over the same leases."""
     try:
@@ -85,6 +97,11 @@ def lock_state(state_dir: Path) -> int:
             raise StartError(
                 f"the state directory {state_dir} is writable by every user (mode {stat.S_IMODE(state_dir.stat().st_mode):o}): anyone could "
                 f"replace its store, cluster or keys; `chmod o-w {state_dir}`, or give --state another directory"
+            )
+        if (owner := owned_by_another(state_dir)) is not None:
+            raise StartError(
+                f"the state directory {state_dir} belongs to user {owner}, who could replace its store, cluster or keys; "
+                "give --state a directory of your own"
             )
         fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as error:
@@ -134,6 +151,11 @@ def _free_socket(path: Path) -> None:
             raise StartError(
                 f"the socket's directory {path.parent} is writable by every user and not sticky: anyone could put a socket of their "
                 f"own in the broker's place and read its callers' tokens; `chmod o-w {path.parent}`, or give --socket another path"
+            )
+        if (owner := owned_by_another(path.parent)) is not None:
+            raise StartError(
+                f"the socket's directory {path.parent} belongs to user {owner}, who could put a socket of their own in the "
+                "broker's place and read its callers' tokens; give --socket a path in a directory of your own"
             )
         mode = path.lstat().st_mode
     except FileNotFoundError:

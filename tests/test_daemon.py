@@ -104,3 +104,21 @@ def _attempts_of_nobody(top: Path) -> list[str]:
             check=True,
         )
     return done.stdout.split()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
+def test_a_socket_directory_another_user_made_first_is_refused_naming_them() -> None:
+    """Made before the broker (or between its look and its mkdir) by another user, it is theirs: its mode lets only
+    them write, and they could replace the socket where clients send their tokens."""
+    with tempfile.TemporaryDirectory() as top:
+        os.chmod(top, 0o1777)  # as /tmp
+        run = Path(top) / "gpubroker"
+        run.mkdir(mode=0o755)
+        os.chown(run, pwd.getpwnam("nobody").pw_uid, -1)
+        with pytest.raises(daemon.StartError, match=rf"the socket's directory {run} belongs to user nobody"):
+            daemon._free_socket(run / "api.sock")
+        state = Path(top) / "state"
+        state.mkdir(mode=0o755)
+        os.chown(state, pwd.getpwnam("nobody").pw_uid, -1)
+        with pytest.raises(daemon.StartError, match=rf"the state directory {state} belongs to user nobody"):
+            daemon.lock_state(state)
