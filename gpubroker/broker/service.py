@@ -707,7 +707,7 @@ class Broker:
                 ),
             )
         waits = request.wait > 0 or request.deadline is not None
-        queued = [w for w in self.waiters if w.request.priority == priority]
+        queued = [w for w in self.waiters if w.request.priority == priority] if waits else []  # a request that will not wait looks at none
         if waits and len(queued) >= self.config.queue_limit:
             # Who fills it: one user's flood must be told apart from a busy machine, and named.
             by_whom = Counter(w.caller.user or w.caller.admin_name or f"anonymous ({w.caller.transport})" for w in queued)
