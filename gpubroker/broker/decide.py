@@ -137,17 +137,18 @@ def place(
         largest = max(usable, key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index))
         asked = "the whole GPU" if request.exclusive else f"{gib(request.gpu_memory)} GiB"
         # Pinned, the one GPU asked for is named as such, not as "the largest here" when a larger one may be here.
-        which = f"the GPU pinned, {largest.label()}" if request.gpu is not None else f"the largest here, {largest.label()}"
+        here = "that can be read" if unread else "here"
+        which = f"the GPU pinned, {largest.label()}" if request.gpu is not None else f"the largest {here}, {largest.label()}"
         if large_enough:  # several asked for, and some are large enough: what decides is the largest of the others
             largest = max(
                 (b for b in usable if b not in large_enough), key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index)
             )
-            which = f"only {len(large_enough)} GPU{'s' if len(large_enough) > 1 else ''} here can lease that much; the next largest, {largest.label()}"
+            which = f"only {len(large_enough)} GPU{'s' if len(large_enough) > 1 else ''} {here} can lease that much; the next largest, {largest.label()}"
         most = largest.figures.total - largest.figures.reserve
         if unread:  # what a card that cannot be read could lease is not known: it is no reason to give up waiting
             return _unreadable_refusal(
                 f"{asked} asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
-                f"the largest that can be read, {largest.label()}, can lease at most {gib(max(0, most))} GiB",
+                f"{which}, can lease at most {gib(max(0, most))} GiB",
                 unread,
             )
         return Refusal(

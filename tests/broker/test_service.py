@@ -1330,3 +1330,17 @@ async def test_once_stopping_a_request_that_would_wait_is_answered_at_once_not_q
     assert node.broker.waiters == []
     lease, _ = await node.ask(cpu_cores=1)  # one that fits now is still granted, and made durable before the broker closes
     assert lease["state"] == "granted"
+
+
+async def test_several_gpus_too_large_for_all_but_some_readable_ones_name_the_gpu_that_decides(make_node: Callable[..., Any]) -> None:
+    """With a card that cannot be read, the one named is still the one that decides, and not called the largest."""
+    node = await make_node([24 * GIB, 12 * GIB, 40 * GIB, 40 * GIB])
+    lost = "nvmlDeviceGetMemoryInfo on GPU 3: GPU is lost (NVML error 15)"
+    node.probe.unreadable = {3: lost}
+    await node.sample()
+    error = await node.refused(gpu_memory="30GiB", gpus=2)
+    assert error.code is FailureCode.DRIVER_ERROR
+    assert error.message == (
+        "30.0 GiB asked for on 2 GPUs; only 1 GPU that can be read can lease that much; the next largest, "
+        f"GPU 0 (RTX 4090, 24.0 GiB), can lease at most 23.0 GiB; GPU 3 (GPU-fake-3) cannot be read: {lost}"
+    )
