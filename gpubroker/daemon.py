@@ -77,16 +77,24 @@ def writable_by_others(directory: Path, sticky_protects: bool = False) -> bool:
     return bool(mode & stat.S_IWOTH) and not (sticky_protects and mode & stat.S_ISVTX)
 
 
-def owned_by_another(directory: Path) -> str | None:
-    """The user `directory` belongs to where that is neither this user nor root: whoever owns it may change what it
-    holds, whatever its mode (one made first in a sticky /tmp, say)."""
-    owner = directory.stat().st_uid
-    if owner in (os.geteuid(), 0):
-        return None
-    try:
-        return pwd.getpwuid(owner).pw_name
-    except KeyError:
-        return str(owner)
+def owned_by_another(directory: Path) -> tuple[Path, str] | None:
+    """The directory, of `directory` and those above it, that belongs to a user neither this one nor root, and that
+    user: whoever owns it may change what it holds, whatever its mode (one made first in a sticky /tmp, say), and
+    whoever owns a directory above may rename the one below and put another in its place (as sshd's StrictModes)."""
+    for place in (directory, *directory.resolve().parents):
+        owner = place.stat().st_uid
+        if owner not in (os.geteuid(), 0):
+            try:
+                return place, pwd.getpwuid(owner).pw_name
+            except KeyError:
+                return place, str(owner)
+    return None
+
+
+def _owned(directory: Path, taken: tuple[Path, str]) -> str:
+    """`directory` belongs to user U / is inside D, which belongs to user U."""
+    place, owner = taken
+    return f"belongs to user {owner}," if place == directory else f"is inside {place}, which belongs to user {owner},"
 
 
 def lock_state(state_dir: Path) -> int:
@@ -98,9 +106,9 @@ def lock_state(state_dir: Path) -> int:
                 f"the state directory {state_dir} is writable by every user (mode {stat.S_IMODE(state_dir.stat().st_mode):o}): anyone could "
                 f"replace its store, cluster or keys; `chmod o-w {state_dir}`, or give --state another directory"
             )
-        if (owner := owned_by_another(state_dir)) is not None:
+        if (taken := owned_by_another(state_dir)) is not None:
             raise StartError(
-                f"the state directory {state_dir} belongs to user {owner}, who could replace its store, cluster or keys; "
+                f"the state directory {state_dir} {_owned(state_dir, taken)} who could replace its store, cluster or keys; "
                 "give --state a directory of your own"
             )
         fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -152,9 +160,9 @@ def _free_socket(path: Path) -> None:
                 f"the socket's directory {path.parent} is writable by every user and not sticky: anyone could put a socket of their "
                 f"own in the broker's place and read its callers' tokens; `chmod o-w {path.parent}`, or give --socket another path"
             )
-        if (owner := owned_by_another(path.parent)) is not None:
+        if (taken := owned_by_another(path.parent)) is not None:
             raise StartError(
-                f"the socket's directory {path.parent} belongs to user {owner}, who could put a socket of their own in the "
+                f"the socket's directory {path.parent} {_owned(path.parent, taken)} who could put a socket of their own in the "
                 "broker's place and read its callers' tokens; give --socket a path in a directory of your own"
             )
         mode = path.lstat().st_mode

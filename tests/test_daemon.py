@@ -107,6 +107,24 @@ def _attempts_of_nobody(top: Path) -> list[str]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
+def test_a_directory_inside_one_another_user_owns_is_refused_naming_them() -> None:
+    """A root broker given a socket or state under another user's directory: that user may rename the directory the
+    broker made there and put one of their own in its place."""
+    with tempfile.TemporaryDirectory() as top:
+        home = Path(top) / "alice"
+        home.mkdir(mode=0o755)
+        os.chown(home, pwd.getpwnam("nobody").pw_uid, -1)
+        with pytest.raises(
+            daemon.StartError, match=rf"the socket's directory {home}/run is inside {home}, which belongs to user nobody, who"
+        ):
+            daemon._free_socket(home / "run" / "api.sock")
+        with pytest.raises(
+            daemon.StartError, match=rf"the state directory {home}/state is inside {home}, which belongs to user nobody, who"
+        ):
+            daemon.lock_state(home / "state")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
 def test_a_socket_directory_another_user_made_first_is_refused_naming_them() -> None:
     """Made before the broker (or between its look and its mkdir) by another user, it is theirs: its mode lets only
     them write, and they could replace the socket where clients send their tokens."""
