@@ -141,6 +141,17 @@ def _known(kind: type, record: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in record.items() if key in names}
 
 
+def unknown_fields(record: dict[str, Any]) -> set[str]:
+    """The fields of a stored lease this version does not know (`holder.cgroup`, say): what `from_record` leaves out."""
+    unknown = set(record) - {f.name for f in fields(Lease)}
+    holder, gpus = record.get("holder"), record.get("gpus")
+    if isinstance(holder, dict):
+        unknown |= {f"holder.{key}" for key in set(holder) - {f.name for f in fields(Holder)}}
+    if isinstance(gpus, list):
+        unknown |= {f"gpus.{key}" for gpu in gpus if isinstance(gpu, dict) for key in set(gpu) - {f.name for f in fields(LeasedGpu)}}
+    return unknown
+
+
 def hash_token(token: str) -> str:
     """Tokens are kept as hashes: the store never holds what would let a reader act on a lease."""
     # surrogateescape: a header that was not UTF-8 must hash (and fail to match), not raise.

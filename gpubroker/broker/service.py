@@ -25,7 +25,7 @@ from gpubroker import __version__
 from gpubroker.broker import holders
 from gpubroker.broker.budget import Budget, GpuLeases, compute_budget, compute_budgets, leases_by_gpu, over_declared
 from gpubroker.broker.decide import HostBudget, Placement, candidates, place
-from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token
+from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token, unknown_fields
 from gpubroker.broker.probes import GpuProbe, GpuReading, GpusUnreadable, HostReading, ProbeError, UnreadableGpu, sample_host
 from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
@@ -256,6 +256,12 @@ class Broker:
             live = [Lease.from_record(record) for record in loaded.leases]
         except (TypeError, KeyError, ValueError, AttributeError, struct.error) as error:  # a value that unpacks, but is no record of ours
             raise StoreDamaged(self.store.damaged(f"a stored record cannot be read: {type(error).__name__}: {error}")) from None
+        unknown = set().union(*(unknown_fields(record) for record in (*loaded.leases, *loaded.ended)))
+        if unknown:  # a newer gpubroker wrote them (this one was rolled back): what it does not know, it will not keep
+            log_line(
+                f"the store holds lease fields this version does not know ({', '.join(sorted(unknown))}), written by a newer "
+                "gpubroker; its leases are kept as this version reads them, and a lease rewritten here loses those fields"
+            )
         for key, lease in ended:
             self.ended[lease.id] = (key, lease)
             self._saw_epochs(lease)

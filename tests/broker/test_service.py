@@ -543,6 +543,21 @@ async def test_a_stored_record_that_is_no_lease_stops_the_start_saying_the_store
     store.stop()
 
 
+async def test_a_store_a_newer_version_wrote_starts_keeping_its_leases_and_says_what_it_leaves_out(
+    make_node: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = await make_node()
+    lease, _ = await node.ask(gpu_memory="1GiB")
+    record = node.broker.leases[lease["id"]].to_record()
+    newer = {**record, "affinity": "numa0", "holder": {**record["holder"], "cgroup": "/x"}}
+    await node.broker.store.commit([Write("leases", lease["id"].encode(), newer)])
+    capsys.readouterr()
+    await node.restart()
+    assert node.broker.get(lease["id"])["state"] == "granted"
+    said = capsys.readouterr().err
+    assert "the store holds lease fields this version does not know (affinity, holder.cgroup), written by a newer gpubroker" in said
+
+
 async def test_a_lease_stays_on_its_card_by_uuid_when_the_driver_numbers_the_cards_anew(make_node: Callable[..., Any]) -> None:
     """A card removed, or the cards' order changed (at a reboot, say): each lease still counts on its own card,
     never on whichever card now has its index, so no card is leased twice over."""
