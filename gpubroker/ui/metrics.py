@@ -21,28 +21,15 @@ class _BrokerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         broker = self._broker
-        figures = {
-            name: GaugeMetricFamily(
-                f"gpubroker_gpu_{name}_bytes", f"the {name} figure of each GPU (SPEC §2)", labels=["uuid", "index", "name"]
-            )
-            for name in FIGURES
-        }
-        unattributed = GaugeMetricFamily(
-            "gpubroker_gpu_unattributed_bytes", "external memory that no process list explains", labels=["uuid", "index", "name"]
-        )
-        pressure = GaugeMetricFamily(
-            "gpubroker_gpu_external_pressure",
-            "1 while external usage has grown into leased or reserved memory",
-            labels=["uuid", "index", "name"],
-        )
-        observed_at = GaugeMetricFamily(
-            "gpubroker_gpu_observed_timestamp_seconds", "when the reading the figures come from was taken", labels=["uuid", "index", "name"]
-        )
-        stale = GaugeMetricFamily(
-            "gpubroker_gpu_stale",
-            "1 while the reading is older than staleness: no decision is made on it",
-            labels=["uuid", "index", "name"],
-        )
+
+        def per_gpu(name: str, documentation: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, documentation, labels=["uuid", "index", "name"])
+
+        figures = {name: per_gpu(f"gpubroker_gpu_{name}_bytes", f"the {name} figure of each GPU (SPEC §2)") for name in FIGURES}
+        unattributed = per_gpu("gpubroker_gpu_unattributed_bytes", "external memory that no process list explains")
+        pressure = per_gpu("gpubroker_gpu_external_pressure", "1 while external usage has grown into leased or reserved memory")
+        observed_at = per_gpu("gpubroker_gpu_observed_timestamp_seconds", "when the reading the figures come from was taken")
+        stale = per_gpu("gpubroker_gpu_stale", "1 while the reading is older than staleness: no decision is made on it")
         over = GaugeMetricFamily(
             "gpubroker_leases_over_declared", "live leases using more than 110% of what they declared", labels=["uuid"]
         )

@@ -298,20 +298,25 @@ async def test_a_cluster_message_is_sent_when_the_view_changes_and_only_then(
         assert summary["nodes"][0]["gpus"][0]["external"] == 6 * GIB
 
 
+async def cluster_with_a_peer(client: TestClient[Any, Any], broker: Broker, monkeypatch: pytest.MonkeyPatch, peer: dict[str, Any]) -> str:
+    """The Cluster page's region for this node and one peer, "far", as the mesh's view would give them."""
+    view = {
+        "nodes": [
+            {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
+            {"id": "n-far", "name": "far", "self": False, **peer},
+        ],
+        "coordinator": None,
+    }
+    monkeypatch.setattr(pages, "cluster_view", lambda app: view)
+    return await (await client.get("/fragment/cluster")).text()
+
+
 async def test_the_cluster_totals_leave_out_nodes_that_are_down(
     served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client, broker, _ = served
     gone = {"gpus": [{"index": 0, "uuid": "GPU-far", "name": "far", "figures": {"total": 48 * GIB, "schedulable": 47 * GIB}}], "leases": []}
-    view = {
-        "nodes": [
-            {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
-            {"id": "n-far", "name": "far", "state": "dead", "self": False, "age": 30.0, "document": gone},
-        ],
-        "coordinator": None,
-    }
-    monkeypatch.setattr(pages, "cluster_view", lambda app: view)
-    text = await (await client.get("/fragment/cluster")).text()
+    text = await cluster_with_a_peer(client, broker, monkeypatch, {"state": "dead", "age": 30.0, "document": gone})
     assert "2 nodes (1 down, not counted) · 1 GPU · 24.0 GiB total" in text
 
 
@@ -323,15 +328,7 @@ async def test_a_peers_gpu_its_driver_cannot_read_is_shown_on_the_cluster_page_f
     peer["unreadable_gpus"] = [{"index": 1, "uuid": None, "error": "GPU is <lost>", "leases": ["l-on-it"]}]
     document = summarize(peer, [])
     document["unreadable_gpus"].append({"index": "2", "error": 7})  # an entry not in a known shape is left out, not shown
-    view = {
-        "nodes": [
-            {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
-            {"id": "n-far", "name": "far", "state": "alive", "self": False, "age": 1.0, "document": document},
-        ],
-        "coordinator": None,
-    }
-    monkeypatch.setattr(pages, "cluster_view", lambda app: view)
-    text = await (await client.get("/fragment/cluster")).text()
+    text = await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": document})
     assert text.count("cannot be read") == 1
     assert "GPU 1 (UUID unknown) cannot be read: GPU is &lt;lost&gt;; not offered until it can be read again" in text
 
