@@ -213,6 +213,7 @@ class Broker:
         self._dropped: list[bytes] = []  # keys of ended leases out of the history but still in the store
         self.waiters: list[Waiter] = []
         self.readings: list[GpuReading] = []
+        self._applied_at = (0.0, 0.0)  # the wall and elapsed clocks when the readings were taken in
         self.host = HostReading(1, 0)
         self.driver_error: str | None = None
         # Accelerators the driver lists but cannot read (the others are read): none is offered, their leases stay.
@@ -433,6 +434,7 @@ class Broker:
         self._sampled = True
         self.driver_error = error
         self.readings = readings if readings is not None else []
+        self._applied_at = (self.clock.now(), self.clock.elapsed())
         self._changed()
         writes: list[Write] = []
         now = self.clock.now()
@@ -608,19 +610,26 @@ class Broker:
     def host_budget(self) -> HostBudget:
         return HostBudget(self.host.cores, self._leased_cores, self.host.memory, self._leased_memory)
 
+    def readings_now(self) -> float:
+        """Now, on the wall clock the readings are stamped with as it read when they were taken in, moved on since by
+        the elapsed clock: a reading's age is this less its `observed_at`. A step of the wall clock since (NTP on a box
+        without a real-time clock) neither ages a reading nor keeps a reading from a probe that hangs fresh."""
+        wall, elapsed = self._applied_at
+        return wall + (self.clock.elapsed() - elapsed)
+
     def _gpu_json(self, budget: Budget, now: float) -> dict[str, Any]:
-        """A GPU's budget, with how old its reading is: past `staleness`, no decision is made on it."""
+        """A GPU's budget, with how old its reading is (`now` from readings_now): past `staleness`, no decision is made on it."""
         age = max(0.0, now - budget.reading.observed_at)
         return {**budget.to_json(), "age": round(age, 3), "stale": self.is_stale(budget, now)}
 
     def is_stale(self, budget: Budget, now: float) -> bool:
-        """Whether this GPU's reading is too old to decide on (the probe has stopped answering, say)."""
+        """Whether this GPU's reading is too old to decide on (the probe has stopped answering, say); `now` from readings_now."""
         return now - budget.reading.observed_at > self.config.staleness
 
     @property
     def stale(self) -> bool:
         """Whether any GPU's reading is too old to decide on."""
-        now = self.clock.now()
+        now = self.readings_now()
         return any(self.is_stale(budget, now) for budget in self.budgets())
 
     def unreadable_json(self) -> list[dict[str, Any]]:
@@ -634,7 +643,7 @@ class Broker:
         ]
 
     def node_json(self) -> dict[str, Any]:
-        now = self.clock.now()
+        now = self.readings_now()
         return {
             "node": {
                 "id": self.node_id,
@@ -759,7 +768,7 @@ class Broker:
             request,
             self.budgets() if budgets is None else budgets,
             self.host_budget(),
-            now=self.clock.now(),
+            now=self.readings_now(),
             staleness=self.config.staleness,
             blocked=blocked,
             driver_error=self.driver_error,

@@ -33,7 +33,7 @@ class _BrokerCollector(Collector):
         over = GaugeMetricFamily(
             "gpubroker_leases_over_declared", "live leases using more than 110% of what they declared", labels=["uuid"]
         )
-        now = broker.clock.now()
+        now = broker.readings_now()
         for budget in broker.budgets():
             labels = [budget.reading.uuid, str(budget.reading.index), budget.reading.name]
             for name in FIGURES:

@@ -515,6 +515,25 @@ async def test_a_step_of_the_wall_clock_neither_ends_a_lease_early_nor_keeps_it_
     assert node.broker.get(early["id"])["state"] == "expired"
 
 
+async def test_a_step_of_the_wall_clock_neither_ages_a_reading_nor_keeps_one_fresh(make_node: Callable[..., Any]) -> None:
+    """A reading's age is elapsed time too: the wall clock stepped forward does not refuse on a fresh reading,
+    and stepped back it does not let the broker decide on the reading of a probe that stopped answering."""
+    node = await make_node()
+    node.clock.step(3600)  # an hour forward, just after a reading
+    lease, _ = await node.ask(gpu_memory="1GiB")
+    assert lease["state"] == "granted"
+    assert (node.gpu()["age"], node.gpu()["stale"], node.broker.stale) == (0.0, False, False)
+    node.clock.advance(10)  # the probe has not answered since
+    node.clock.step(-7200)  # and the wall clock goes two hours back
+    error = await node.refused(gpu_memory="1GiB")
+    assert error.code is FailureCode.SCHEDULER_STATE_STALE
+    assert "read 10.0s ago" in error.message
+    assert (node.gpu()["age"], node.gpu()["stale"], node.broker.stale) == (10.0, True, True)
+    await node.sample()  # a reading on the stepped clock is fresh
+    lease, _ = await node.ask(gpu_memory="1GiB")
+    assert lease["state"] == "granted"
+
+
 async def test_epochs_only_grow_across_restarts(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     first, _ = await node.ask(gpu_memory="1GiB")
