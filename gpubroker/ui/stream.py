@@ -73,6 +73,7 @@ class Streams:
 
     open: int = 0
     closing: asyncio.Event = field(default_factory=asyncio.Event)
+    transports: set[asyncio.Transport] = field(default_factory=set)  # the open streams' connections
 
 
 STREAMS = web.AppKey("streams", Streams)
@@ -132,8 +133,11 @@ async def stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     streams.open += 1
     loop = asyncio.get_running_loop()
+    transport = request.transport
     try:
         await response.prepare(request)
+        if transport is not None:
+            streams.transports.add(transport)
         _give_up_on_silence(request)
         await response.write(b"retry: 2000\n: connected\n\n")
         last_write = loop.time()
@@ -172,6 +176,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
         pass  # the browser went away; its slot is free again below
     finally:
         streams.open -= 1
+        if transport is not None:
+            streams.transports.discard(transport)  # request.transport is None once the connection is gone
     return response
 
 
@@ -186,5 +192,10 @@ def _give_up_on_silence(request: web.Request) -> None:
 
 
 async def close_streams(app: web.Application) -> None:
-    """On shutdown: end every stream at once, or the server would wait for them (60 s by default)."""
-    app[STREAMS].closing.set()
+    """On shutdown: end every stream at once, or the server would wait for them (60 s by default). A stream whose
+    client reads nothing waits to write and never sees the signal: its connection is cut, what it holds unsent with it."""
+    streams = app[STREAMS]
+    streams.closing.set()
+    for transport in list(streams.transports):
+        if transport.get_write_buffer_size() > 0:
+            transport.abort()

@@ -219,8 +219,8 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[TestClient[Any, Any], Br
         await broker.close()
 
 
-async def lease(client: TestClient[Any, Any]) -> dict[str, Any]:
-    answer = await client.post("/v1/leases", json={"gpu_memory": "1GiB"})
+async def lease(client: TestClient[Any, Any], more: dict[str, Any] | None = None) -> dict[str, Any]:
+    answer = await client.post("/v1/leases", json={"gpu_memory": "1GiB", **(more or {})})
     assert answer.status == 201
     made: dict[str, Any] = (await answer.json())["lease"]
     return made
@@ -386,3 +386,32 @@ async def test_a_stream_over_tcp_ends_once_what_it_sent_goes_unacknowledged_for_
         handlers = [c for c in client.server.runner.server.connections if c.transport is not None]  # type: ignore[union-attr]
         [sock] = [h.transport.get_extra_info("socket") for h in handlers]
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(2 * stream.HEARTBEAT_EVERY * 1000)
+
+
+async def test_a_stream_whose_client_reads_nothing_ends_at_once_when_the_broker_stops(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    """Blocked writing to a client that reads nothing, a stream never saw the broker stop: the stop waited for it
+    (60 s, then until the client went), past systemd's stop timeout."""
+    client, _, _ = served
+    app = client.server.app
+    assert app is not None
+    streams = app[stream.STREAMS]
+    with socket.create_connection((client.host, client.port)) as reader:
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.sendall(b"GET /v1/stream?after=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        await asyncio.to_thread(reader.recv, 1)  # the stream has begun; from now on the client reads nothing
+        [transport] = [c.transport for c in client.server.runner.server.connections if c.transport is not None]  # type: ignore[union-attr]
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        async with asyncio.timeout(30):
+            while transport.get_write_buffer_size() == 0:  # the client's buffers are full: the stream waits to write
+                made = await lease(client, {"holder": {"name": "x" * 256}})
+                await client.delete(f"/v1/leases/{made['id']}", headers={"X-Lease-Token": made["token"]})
+        assert streams.open == 1
+        await stream.close_streams(app)
+        async with asyncio.timeout(3):
+            while True:
+                if streams.open == 0:
+                    break
+                await asyncio.sleep(0.01)
+        assert not streams.transports  # nor does it keep the connection
