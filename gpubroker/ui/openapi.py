@@ -241,7 +241,10 @@ OPENAPI: dict[str, Any] = {
         "/v1/stream": {
             "get": {
                 "operationId": "streamEvents",
-                "summary": "the events as Server-Sent Events (id: seq, event: type, data: the event); `cluster` when the view changes",
+                "summary": (
+                    "the events as Server-Sent Events (id: seq, event: type, data: the event); `cluster` when the view changes; "
+                    "`dropped` ({dropped, after, next}, no id) where events after the resume point are no longer kept"
+                ),
                 "x-stream": True,
                 "parameters": [
                     {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},

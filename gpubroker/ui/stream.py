@@ -1,8 +1,9 @@
 """Server-Sent Events at /v1/stream: each broker event as it is recorded, and the mesh's view when it changes.
 
 A stream resumes after `Last-Event-ID` (or `?after=`), says `: heartbeat` when it has
-been quiet for HEARTBEAT_EVERY, and sends a `cluster` message (no id) when the view
-changes. The browser never polls: the server looks at in-memory state on a timer.
+been quiet for HEARTBEAT_EVERY, sends a `cluster` message (no id) when the view
+changes, and a `dropped` message (no id) before events that follow a gap of events no
+longer kept. The browser never polls: the server looks at in-memory state on a timer.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ EVENT_TYPES = (
     "ui.sign_in.refused",
     "ui.signed_in",
     "cluster",
+    "dropped",
 )
 
 
@@ -153,7 +155,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
             out: list[bytes] = []
             found: list[dict[str, Any]] = []
             if broker.last_event_seq > after:
-                found, after = broker.events(after, REPLAY_BATCH)  # nothing yet when the event is still on its way to disk
+                found, next_seq = broker.events(after, REPLAY_BATCH)  # nothing yet when the event is still on its way to disk
+                if found and found[0]["seq"] > after + 1:  # those between are no longer kept (events_kept): said, as /v1/events says
+                    out.append(message({"dropped": found[0]["seq"] - after - 1, "after": after, "next": found[0]["seq"]}, "dropped"))
+                after = next_seq
                 out += [message(event, str(event["type"]), event["seq"]) for event in found]
             if now - last_look >= CLUSTER_EVERY:
                 last_look = now

@@ -415,3 +415,29 @@ async def test_a_stream_whose_client_reads_nothing_ends_at_once_when_the_broker_
                     break
                 await asyncio.sleep(0.01)
         assert not streams.transports  # nor does it keep the connection
+
+
+async def test_a_stream_resumed_past_what_the_broker_keeps_says_how_many_events_it_missed(tmp_path: Path) -> None:
+    """GET /v1/events says `dropped`; the stream skipped them without a word, so a follower never knew it had a gap."""
+    clock = FakeClock()
+    config = Config(state_dir=tmp_path / "state", name="tower", events_kept=1)
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock, [24 * GIB]), clock)
+    await broker.start()
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker)))
+    await client.start_server()
+    try:
+        for _ in range(80):
+            made = await lease(client)
+            await client.delete(f"/v1/leases/{made['id']}", headers={"X-Lease-Token": made["token"]})
+        await broker.store.commit([])  # every event is on disk, and the oldest are dropped
+        first = broker.events(0, 1)[0][0]["seq"]
+        assert first > 2
+        async with client.get("/v1/stream", headers={"Last-Event-ID": "1"}) as answer:
+            messages = await read_messages(answer, 3)
+        assert messages[1]["event"] == "dropped"
+        assert "id" not in messages[1]  # not an event: it must not move Last-Event-ID
+        assert json.loads(messages[1]["data"]) == {"dropped": first - 2, "after": 1, "next": first}
+        assert (messages[2]["id"], messages[2]["event"]) == (str(first), broker.events(0, 1)[0][0]["type"])
+    finally:
+        await client.close()
+        await broker.close()
