@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-from aiohttp import web, web_protocol
+from aiohttp import HttpVersion11, web, web_protocol, web_urldispatcher
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -38,6 +38,7 @@ METRICS = web.AppKey("metrics", Metrics)
 CONFIG_HOSTS = web.AppKey("allowed_hosts", frozenset)
 GUARD = web.AppKey("guard", Guard)
 SESSION = web.RequestKey("session", Session)
+CONTINUED = web.RequestKey("continued", bool)  # 100 Continue was sent: the caller sends its body
 
 
 @dataclass(slots=True)
@@ -93,6 +94,39 @@ def answer_unreadable_requests_in_one_shape() -> None:
     web_protocol.RequestHandler.handle_error = handle_error  # type: ignore[method-assign]
 
 
+async def _expect_later(request: web.BaseRequest) -> None:
+    """In place of aiohttp's Expect handler, which runs before any middleware and so told a caller without the token,
+    or from a foreign Host, to send its body: the middleware judges the expectation after its checks, and the body is
+    asked for (100 Continue) when a handler reads it."""
+
+
+def meet_expectations_after_checks() -> None:
+    """Idempotent; every route and aiohttp's own 404s and 405s take their Expect handler from this name."""
+    web_urldispatcher._default_expect_handler = _expect_later
+
+
+def _check_expectation(request: web.Request) -> None:
+    expect = request.headers.get("Expect")
+    if expect is not None and request.version == HttpVersion11 and expect.strip().lower() != "100-continue":
+        raise InvalidRequest(
+            f"Expect: {_text(expect)!r} is not an expectation this broker meets; only 100-continue", {"expect": expect}, status=417
+        )
+
+
+def _awaits_continue(request: web.Request) -> bool:
+    """Whether the caller holds its body back until it is asked for it (Expect: 100-continue) and has not been yet."""
+    expect = request.headers.get("Expect", "")
+    return request.version == HttpVersion11 and expect.strip().lower() == "100-continue" and not request.get(CONTINUED)
+
+
+async def _continue(request: web.Request) -> None:
+    """Ask for the body of a caller that waits to be asked, once, as it is read."""
+    if _awaits_continue(request):
+        request[CONTINUED] = True
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer proper has not begun
+
+
 def unreadable_detail(error: BaseException) -> str:
     """What aiohttp says of a request it cannot read, fit for a message: the first line of its message (the
     next ones quote the bytes and point at them), of the error it wraps if any, cut to MAX_KEPT characters."""
@@ -106,6 +140,7 @@ async def read_form(request: web.Request) -> Any:
     """A form's fields, or INVALID_REQUEST when the body cannot be read as one (an unknown charset, bytes
     that are not its text, a multipart body without its boundary) or is not whole within IDLE_TIMEOUT."""
     try:
+        await _continue(request)
         return await _whole(request.post())
     except (ValueError, LookupError, AssertionError, HttpProcessingError) as error:
         raise InvalidRequest(f"the form cannot be read: {_text(str(error) or type(error).__name__)}") from None
@@ -122,6 +157,7 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
             _check_host(request)
             _check_origin(request)
             await _authenticate(request)
+        _check_expectation(request)
         return await handler(request)
     except Unauthorized as error:
         if request.method == "GET" and not request.path.startswith(PAGE_PREFIXES):
@@ -180,7 +216,10 @@ def _refusal(request: web.Request, error: BrokerError) -> web.Response:
                 code=error.code,
                 details=details,
             )
-    return _error(error)
+    answer = _error(error)
+    if _awaits_continue(request):
+        answer.force_close()  # its body, never asked for, could not be told from a next request on this connection
+    return answer
 
 
 def _text(value: Any, limit: int = MAX_KEPT) -> Any:
@@ -309,6 +348,7 @@ async def _whole(reading: Awaitable[T]) -> T:
 
 
 async def _body(request: web.Request) -> bytes:
+    await _continue(request)
     if request.content.is_eof():  # all of it has arrived (as a lease request's has, with its headers): no timer to set
         return await request.read()
     return await _whole(request.read())
@@ -631,6 +671,7 @@ def make_app(broker: Broker, mesh: Mesh | MeshSlot | None = None, guard: Guard |
     config = broker.config
     app = web.Application(middlewares=[api_middleware], client_max_size=config.max_body)
     answer_unreadable_requests_in_one_shape()
+    meet_expectations_after_checks()
     app[BROKER] = broker
     app[CONFIG] = config
     app[CONFIG_HOSTS] = allowed_hosts(config)

@@ -487,3 +487,42 @@ def test_guesses_from_one_address_do_not_keep_another_from_signing_in() -> None:
     assert SignIns.source("2001:db8:1:2:aaaa::1") == SignIns.source("2001:db8:1:2:bbbb::7") == "2001:db8:1:2::/64"  # one host's /64
     assert SignIns.source("::ffff:10.0.0.9") == SignIns.source("10.0.0.9") == "10.0.0.9"
     assert SignIns.source(None) == "unknown"
+
+
+async def test_an_expectation_is_met_only_after_the_callers_checks_and_an_unknown_one_gets_the_one_error_shape(
+    guarded: tuple[TestClient[Any, Any], Broker],
+) -> None:
+    """aiohttp met `Expect` before any check: a caller without the token, or from a foreign Host, was told to send its
+    body (up to max_body) only to be refused after, and an expectation it does not know was a 417 in plain text."""
+    client, broker = guarded
+    body = b'{"gpu_memory": "1GiB"}'
+
+    def ask(headers: str, send_body_on: bytes = b"HTTP/1.1 100 Continue") -> bytes:
+        with socket.create_connection((client.host, client.port), timeout=5) as sock:
+            sock.sendall(
+                b"POST /v1/leases HTTP/1.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
+                % (len(body), headers.encode())
+            )
+            first = sock.recv(65536)
+            if not first.startswith(send_body_on):
+                return first  # refused before its body was asked for
+            sock.sendall(body)
+            answer = first
+            while more := sock.recv(65536):  # to the end: the connection closes after the answer
+                answer += more
+            return answer
+
+    unsigned = await asyncio.to_thread(ask, "Host: 127.0.0.1\r\nExpect: 100-continue\r\n")
+    assert unsigned.startswith(b"HTTP/1.1 401 ")
+    assert b'"UNAUTHORIZED"' in unsigned
+    foreign = await asyncio.to_thread(ask, f"Host: evil.example\r\nAuthorization: Bearer {TOKEN}\r\nExpect: 100-continue\r\n")
+    assert foreign.startswith(b"HTTP/1.1 403 ")
+    assert b'"FORBIDDEN"' in foreign
+    unknown = await asyncio.to_thread(ask, f"Host: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\nExpect: 200-ok\r\n")
+    assert unknown.startswith(b"HTTP/1.1 417 ")
+    error = json.loads(unknown.split(b"\r\n\r\n", 1)[1])["error"]
+    assert (error["code"], error["details"]) == ("INVALID_REQUEST", {"expect": "200-ok"})
+    assert broker.list_leases(None, 10) == []  # nothing was granted
+    granted = await asyncio.to_thread(ask, f"Host: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\nExpect: 100-continue\r\n")
+    assert granted.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 ")
+    assert len(broker.list_leases(None, 10)) == 1
