@@ -457,7 +457,8 @@ def events_region(request: web.Request) -> str:
     code = request.query.get("code", "")
     newest = broker.last_event_seq
     found, _ = broker.events(max(0, newest - EVENTS_SCANNED), EVENTS_SCANNED)
-    shown = [event for event in reversed(found) if not code or event.get("code") == code][:EVENTS_SHOWN]
+    matching = [event for event in reversed(found) if not code or event.get("code") == code]
+    shown = matching[:EVENTS_SHOWN]
     options = "".join(f'<option value="{c.value}"{" selected" if c.value == code else ""}>{c.value}</option>' for c in FailureCode)
     form = (
         '<form class="filters" method="get" action="/events"><label>code <select name="code"><option value="">any</option>'
@@ -472,7 +473,18 @@ def events_region(request: web.Request) -> str:
             + (f' <span class="badge">{e(event["code"])}</span>' if event.get("code") else "")
             + f'<p>{e(event["message"])}</p><p class="details">{details}</p></li>'
         )
-    body = f'<ol class="events">{"".join(items)}</ol>' if items else '<p class="muted">no events</p>'
+    # A burst of more than the page shows, or a code older than those looked at, must not pass for all there is.
+    cut = len(found) == EVENTS_SCANNED  # older events may be kept beyond those looked at
+    with_code = f" with code {e(code)}" if code else ""
+    rest = "; <code>gpubroker events</code> (or <code>GET /v1/events</code>) lists every one kept"
+    if not items:
+        body = f'<p class="muted">no events{with_code}' + (f" among the newest {EVENTS_SCANNED}{rest}" if cut and code else "") + "</p>"
+    else:
+        body = f'<ol class="events">{"".join(items)}</ol>'
+        if len(matching) > len(shown):
+            body += f'<p class="muted">the newest {len(shown)} events{with_code} are shown{rest}</p>'
+        elif cut and code:
+            body += f'<p class="muted">{plural(len(shown), "event")}{with_code} among the newest {EVENTS_SCANNED}{rest}</p>'
     return f"<h1>Events</h1>{form}{body}"
 
 

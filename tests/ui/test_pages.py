@@ -441,3 +441,24 @@ async def test_a_stream_resumed_past_what_the_broker_keeps_says_how_many_events_
     finally:
         await client.close()
         await broker.close()
+
+
+async def test_the_events_page_says_when_it_shows_only_the_newest_and_where_the_rest_are(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of more events than the page shows moved the page on past them without a word."""
+    client, broker, _ = served
+    monkeypatch.setattr(pages, "EVENTS_SHOWN", 5)
+    monkeypatch.setattr(pages, "EVENTS_SCANNED", 20)
+    for _ in range(12):
+        made = await lease(client)
+        await client.delete(f"/v1/leases/{made['id']}", headers={"X-Lease-Token": made["token"]})
+    await broker.store.commit([])
+    region = await (await client.get("/fragment/events")).text()
+    assert region.count('<li class="event"') == 5
+    assert "the newest 5 events are shown" in region
+    assert "gpubroker events" in region
+    none = await (await client.get("/fragment/events?code=QUEUE_FULL")).text()
+    assert "no events with code QUEUE_FULL among the newest 20" in none
+    few = await (await client.get("/fragment/events", params={"code": ""})).text()
+    assert "the newest 5 events are shown" in few
