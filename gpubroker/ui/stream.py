@@ -170,7 +170,15 @@ async def stream(request: web.Request) -> web.StreamResponse:
             if not out and now - last_write >= HEARTBEAT_EVERY:
                 out.append(b": heartbeat\n\n")
             if out:
-                await response.write(b"".join(out))
+                try:
+                    async with asyncio.timeout(2 * HEARTBEAT_EVERY):
+                        await response.write(b"".join(out))
+                except TimeoutError:
+                    # A client that reads nothing: TCP gives up on it as long (_give_up_on_silence), the Unix socket never
+                    # would, and its slot would be held for as long as the program that opened it lives.
+                    if transport is not None:
+                        transport.abort()
+                    break
                 last_write = now
             if len(found) == REPLAY_BATCH:
                 continue  # more to replay: no pause

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import BrokerProcess, wait_for
 from fakes import GIB, FakeClock, FakeGpuProbe
@@ -462,3 +463,35 @@ async def test_the_events_page_says_when_it_shows_only_the_newest_and_where_the_
     assert "no events with code QUEUE_FULL among the newest 20" in none
     few = await (await client.get("/fragment/events", params={"code": ""})).text()
     assert "the newest 5 events are shown" in few
+
+
+async def test_a_stream_on_the_unix_socket_whose_client_reads_nothing_ends_after_two_heartbeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TCP gives up on such a client (TCP_USER_TIMEOUT); on the Unix socket, a program that opened a stream and stopped
+    reading held one of the MAX_STREAMS slots for as long as it lived."""
+    monkeypatch.setattr(stream, "HEARTBEAT_EVERY", 0.2)
+    clock = FakeClock()
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock, [24 * GIB]), clock)
+    await broker.start()
+    app = make_app(broker)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    path = tmp_path / "api.sock"
+    await web.UnixSite(runner, str(path)).start()
+    streams = app[stream.STREAMS]
+    try:
+        with socket.socket(socket.AF_UNIX) as reader:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect(str(path))
+            reader.sendall(b"GET /v1/stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await asyncio.to_thread(reader.recv, 1)  # the stream has begun; from now on the client reads nothing
+            assert streams.open == 1
+            async with asyncio.timeout(10):
+                while streams.open:
+                    broker.record_event("test.filler", "x" * 4000, details={})
+                    await asyncio.sleep(0.01)
+    finally:
+        await runner.cleanup()
+        await broker.close()
