@@ -262,7 +262,7 @@ def open_document(data: bytes, verify: Verify, node_id_of: NodeIdOf) -> NodeDocu
 @dataclass(slots=True)
 class _Held:
     document: NodeDocument
-    received_at: float  # the receiving node's clock
+    received_at: float  # the receiving node's elapsed clock (never its wall clock, which NTP may step)
 
 
 @dataclass(slots=True)
@@ -303,13 +303,14 @@ class Publisher:
     public_key: bytes
     version: int = 0
     last_body: dict[str, Any] | None = None
-    last_made: float = float("-inf")
+    last_made: float = float("-inf")  # on the elapsed clock: a step of the wall clock back must not hold documents back
 
-    def next(self, body: dict[str, Any], now: float) -> NodeDocument | None:
-        """A new document if the body changed and the last one is old enough, or if the last is MAX_INTERVAL old."""
+    def next(self, body: dict[str, Any], now: float, wall: float | None = None) -> NodeDocument | None:
+        """A new document if the body changed and the last one is old enough, or if the last is MAX_INTERVAL old;
+        `now` on the elapsed clock, `wall` (the document's made_at, shown only) on the wall clock, `now` if not given."""
         since = now - self.last_made
         if since < MIN_INTERVAL or (body == self.last_body and since < MAX_INTERVAL):
             return None
         self.version += 1
         self.last_body, self.last_made = body, now
-        return NodeDocument(self.node, self.generation, self.version, now, body, self.public_key)
+        return NodeDocument(self.node, self.generation, self.version, now if wall is None else wall, body, self.public_key)

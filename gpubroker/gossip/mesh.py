@@ -179,7 +179,13 @@ class Mesh:
     broker: Broker
     identity: Identity
     cluster: ClusterState
+    # Two clocks. `clock`, the wall clock, stamps what is kept or compared with another machine's (invites, requests to
+    # join, admissions, removals, a document's made_at). `elapsed` only moves forward at one pace: every timer (SWIM's
+    # probes, suspicions, gossip, push-pulls, the publisher's pace) and every age (a view's, a member's state's) is
+    # measured on it, so a step of the wall clock (NTP arriving on a box without a real-time clock) neither stops the
+    # mesh for the length of a step back nor fails every suspect and ages every view at a step forward.
     clock: Callable[[], float] = time.time
+    elapsed: Callable[[], float] = time.monotonic
     view: ClusterView = field(default_factory=ClusterView)
     coordinator: Coordinator | None = None
     dropped_documents: int = 0
@@ -193,7 +199,7 @@ class Mesh:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _removed: bool = False
     _learning: set[str] = field(default_factory=set)
-    _started: float = float("-inf")  # when run() began, on self.clock
+    _started: float = float("-inf")  # when run() began, on self.elapsed
 
     @property
     def node_id(self) -> str:
@@ -206,7 +212,7 @@ class Mesh:
 
     async def run(self) -> None:
         """Listen, join, and keep the mesh going until cancelled; nothing, for a node removed from its cluster."""
-        self._started = self.clock()
+        self._started = self.elapsed()
         if self.cluster.is_removed(self.node_id):  # told so before this start: it gossips with no member again
             self._removed = True
             self.broker.record_event("mesh.removed", "this node was removed from its cluster: its mesh is not started", details={})
@@ -259,10 +265,10 @@ class Mesh:
 
     async def _leave(self, within: float = 1.0) -> None:
         """Say we leave, so a stop (systemd, Ctrl-C) shows as "left" on the others, not as a failure found 10 s later."""
-        deadline = self.clock() + within
-        self.membership.leave(self.clock())
+        deadline = self.elapsed() + within
+        self.membership.leave(self.elapsed())
         while True:
-            now = self.clock()
+            now = self.elapsed()
             self.membership.tick(now)
             self._drain(now)
             for task in list(self._tasks):  # what draining asked for (pings, pulls) is not waited on now
@@ -280,18 +286,21 @@ class Mesh:
 
     async def _tick_loop(self) -> None:
         while not self._removed:
-            now = self.clock()
-            self.membership.tick(now)
-            self._drain(now)
-            wait = max(0.005, min(0.2, self.membership.next_deadline() - self.clock()))
+            self._tick()
+            wait = max(0.005, min(0.2, self.membership.next_deadline() - self.elapsed()))
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
 
+    def _tick(self) -> None:
+        now = self.elapsed()
+        self.membership.tick(now)
+        self._drain(now)
+
     def _on_datagram(self, source: Addr, message: Message) -> None:
         if self._membership is None:
             return  # before the membership exists (the first instants of a start)
-        now = self.clock()
+        now = self.elapsed()
         self.membership.receive(now, source, message)
         self._drain(now)
 
@@ -391,7 +400,7 @@ class Mesh:
         alive or suspected (its announcement is on its way), and of each not heard of at all unless it started
         SETTLE_WITHIN ago (those may be down: a cluster of one, for now, chooses for itself); or SETTLE_AT_MOST
         has passed."""
-        waited = self.clock() - self._started
+        waited = self.elapsed() - self._started
         if waited >= SETTLE_AT_MOST:
             return True
         timed_out = waited >= SETTLE_WITHIN
@@ -434,7 +443,7 @@ class Mesh:
         except (KeyError, TypeError, wire.WireError):
             return
         if isinstance(remote, PushPull):
-            now = self.clock()
+            now = self.elapsed()
             self.membership.push_pull_reply(now, addr, remote)
             self._drain(now)
 
@@ -459,7 +468,7 @@ class Mesh:
     async def _tcp_ping(self, request: Any) -> None:
         answer = await self._call(request.addr, {"op": "ping", "ping": wire.encode(request.ping)}, expect=request.node)
         ok = bool(answer and answer.get("ack"))
-        now = self.clock()
+        now = self.elapsed()
         self.membership.tcp_ping_result(now, request.node, ok)
         self._drain(now)
 
@@ -488,7 +497,7 @@ class Mesh:
             return
         if document.node == self.node_id or document.node not in self.cluster.members:
             return
-        self.view.apply(document, self.clock())
+        self.view.apply(document, self.elapsed())
 
     def _merge_cluster(self, remote: object, sender: str | None = None) -> None:
         if not isinstance(remote, dict):
@@ -524,7 +533,7 @@ class Mesh:
                 return {"error": "not a push-pull"}
             if not isinstance(remote, PushPull):
                 return {"error": "not a push-pull"}
-            now = self.clock()
+            now = self.elapsed()
             ours = self.membership.push_pull_received(now, remote)
             self._drain(now)
             return {
@@ -655,7 +664,7 @@ class Mesh:
         body = summarize(self.broker.node_json(), self.broker.list_leases("granted", 100_000))
         if self.coordinator is not None and self.coordinator.epoch > PROVISIONAL:  # a provisional choice is not announced
             body["coordinator"] = [self.coordinator.node, self.coordinator.priority, self.coordinator.epoch]
-        document = self._publisher.next(body, self.clock())
+        document = self._publisher.next(body, self.elapsed(), self.clock())
         if document is None:
             return
         self._own_document = sign_document(document, self.identity.sign)
@@ -769,7 +778,7 @@ class Mesh:
         if member is None:  # dead or gone long enough for the membership to have dropped it
             what, details = "is not heard of", {"node": owner, "state": None, "ago": None}
         else:
-            ago = max(0.0, self.clock() - member.since)
+            ago = max(0.0, self.elapsed() - member.since)
             what = f"{'left' if member.state is MemberState.LEFT else 'failed'} {ago:.0f} s ago"
             details = {"node": owner, "state": member.state.value, "ago": round(ago, 3)}
         return BrokerError(
@@ -884,7 +893,7 @@ class Mesh:
         to a GPU (a card of this node, which no peer has)."""
         if request.gpu is not None:
             return None
-        now = self.clock()
+        now = self.elapsed()
         found = []
         for member in self._others():
             held = self.view.held.get(member.node)
@@ -907,7 +916,7 @@ class Mesh:
 
     def cluster_json(self) -> dict[str, Any]:
         """Every node the mesh knows; a node removed from its cluster shows only itself, and when it was removed."""
-        now = self.clock()
+        now = self.elapsed()
         removed = self.cluster.removed.get(self.node_id)
         nodes: list[dict[str, Any]] = [
             {

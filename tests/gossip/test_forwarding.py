@@ -157,7 +157,7 @@ async def trio(tmp_path: Path) -> Trio:
         cluster.redeem(secret, identity.certificate_pem().decode(), name, NOW, a.node_id)
     membership = FakeMembership()
     clock = FakeClock(NOW)
-    mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), None, a, cluster, clock=clock.now)  # type: ignore[arg-type]
+    mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), None, a, cluster, clock=clock.now, elapsed=clock.elapsed)  # type: ignore[arg-type]
     mesh._membership = membership  # type: ignore[assignment]
     body = {"name": "node-b", "gpus": [{"index": 0, "uuid": "GPU-0"}], "leases": [LEASE]}
     mesh.view.apply(NodeDocument(b.node_id, 1, 1, NOW, body, b""), NOW)
@@ -299,7 +299,7 @@ def test_a_node_that_hears_no_announcement_announces_its_own_choice_once_settled
     mesh._elect()
     assert mesh.coordinator is not None
     assert mesh.coordinator.epoch == 0  # node-c not heard of yet: it may be the one announcing a coordinator
-    mesh.clock = lambda: NOW + SETTLE_WITHIN  # it may be down: after a while, this node's choice is announced anyway
+    mesh.elapsed = lambda: NOW + SETTLE_WITHIN  # it may be down: after a while, this node's choice is announced anyway
     mesh._elect()
     best = min(mesh.node_id, b)
     assert mesh.coordinator == Coordinator(best, 0, 1)
@@ -313,10 +313,10 @@ def test_a_node_that_hears_members_alive_but_not_yet_their_documents_waits_for_t
     mesh._started = NOW
     mesh.view.forget(b)
     trio.membership.set(b, ("127.0.0.1", 9), MemberState.ALIVE, meta=_Meta(b, "", 1).encode())  # node-a ranks first
-    mesh.clock = lambda: NOW + SETTLE_AT_MOST - 1  # slow to reach: a lossy link, a busy peer
+    mesh.elapsed = lambda: NOW + SETTLE_AT_MOST - 1  # slow to reach: a lossy link, a busy peer
     mesh._elect()
     assert mesh.coordinator == Coordinator(mesh.node_id, 0, 0)  # still its own choice, unannounced
-    mesh.clock = lambda: NOW + SETTLE_AT_MOST  # a peer whose documents never come cannot leave the cluster without one
+    mesh.elapsed = lambda: NOW + SETTLE_AT_MOST  # a peer whose documents never come cannot leave the cluster without one
     mesh._elect()
     assert mesh.coordinator == Coordinator(mesh.node_id, 0, 1)
     mesh.coordinator = Coordinator(mesh.node_id, 0, 0)  # as before: then node-b's document comes, in time

@@ -51,6 +51,7 @@ async def start(tmp_path: Path, identity: Identity, name: str, cluster: ClusterS
         identity,
         cluster,
         clock=clock.now,
+        elapsed=clock.elapsed,
     )  # type: ignore[arg-type]
     mesh._server = await PeerServer.start(("127.0.0.1", 0), identity, cluster.members_der, mesh._on_request)
     mesh._membership = Membership(

@@ -472,7 +472,7 @@ async def test_another_node_is_found_by_its_id_its_admitted_name_or_its_new_name
     config = Config(state_dir=tmp_path / "state", name="tower")
     broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock, a.node_id)
     await broker.start()
-    mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, a, cluster, clock=clock.now)
+    mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, a, cluster, clock=clock.now, elapsed=clock.elapsed)
     members = Members()
     mesh._membership = members  # type: ignore[assignment]
     # The node admitted as "nuc" was restarted with --name gpu-box, its document says so; another member, now dead,

@@ -1,0 +1,112 @@
+"""The mesh when a wall clock steps (NTP arriving on a box without a real-time clock) or disagrees with the others':
+timers and ages are measured on the elapsed clock, and another machine's stamps are read against when they came."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from fakes import GIB, FakeClock, FakeGpuProbe
+
+from gpubroker.broker.service import Broker
+from gpubroker.broker.store import Store
+from gpubroker.config import Config
+from gpubroker.gossip.cluster import ClusterState, decode_token
+from gpubroker.gossip.documents import MAX_INTERVAL, NodeDocument, Publisher
+from gpubroker.gossip.identity import Identity
+from gpubroker.gossip.membership import Membership, MembershipConfig
+from gpubroker.gossip.mesh import Mesh, MeshSettings
+from gpubroker.gossip.messages import Ack, Addr, Alive, Compound, MemberState, Message, Ping
+
+PEER_ADDR = ("127.0.0.1", 9)
+HOUR = 3600.0
+
+
+@dataclass
+class Sent:
+    """The mesh's datagrams as it sends them: what went where, Compounds opened."""
+
+    messages: list[tuple[Addr, Message]] = field(default_factory=list)
+
+    def send(self, addr: Addr, messages: list[Message]) -> None:
+        for message in messages:
+            for part in message.parts if isinstance(message, Compound) else [message]:
+                self.messages.append((addr, part))
+
+    def pings(self) -> list[Ping]:
+        return [m for addr, m in self.messages if addr == PEER_ADDR and isinstance(m, Ping)]
+
+
+@dataclass
+class Node:
+    mesh: Mesh
+    clock: FakeClock
+    sent: Sent
+    peer: str
+
+    def run(self, seconds: float, answer: bool = True) -> None:
+        """Time passes in steps of 0.1 s, the mesh ticking and publishing; the peer answers every ping if `answer`."""
+        for _ in range(round(seconds / 0.1)):
+            self.clock.advance(0.1)
+            answered = len(self.sent.pings())
+            self.mesh._tick()
+            self.mesh.publish()
+            if answer:
+                for ping in self.sent.pings()[answered:]:
+                    self.mesh._on_datagram(PEER_ADDR, Ack(ping.seq))
+
+    def state(self) -> MemberState | None:
+        member = self.mesh.membership.member(self.peer)
+        return None if member is None else member.state
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    """A member's mesh as `Mesh.run` sets it up, on fake clocks, without its loops, with one peer it has heard of."""
+    clock = FakeClock()
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock, [24 * GIB]), clock)
+    await broker.start()
+    me, peer = Identity.load_or_create(tmp_path / "me"), Identity.load_or_create(tmp_path / "peer")
+    cluster = ClusterState.init(tmp_path / "cluster", me, "tower", now=clock.now())
+    secret = decode_token(cluster.invite(("127.0.0.1", 9741), me, 600, clock.now())).secret
+    cluster.redeem(secret, peer.certificate_pem().decode(), "nuc", clock.now(), me.node_id)
+    mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, me, cluster, clock=clock.now, elapsed=clock.elapsed)
+    mesh._membership = Membership(me.node_id, ("127.0.0.1", 1), MembershipConfig(tcp_fallback_ping=False), random.Random(0))
+    mesh._publisher = Publisher(me.node_id, 1, me.public_key_bytes)
+    sent = Sent()
+    mesh._datagrams = sent  # type: ignore[assignment]
+    mesh._on_datagram(PEER_ADDR, Alive(1, peer.node_id, PEER_ADDR))
+    try:
+        yield Node(mesh, clock, sent, peer.node_id)
+    finally:
+        for task in list(mesh._tasks):
+            task.cancel()
+        await broker.close()
+
+
+async def test_a_step_of_the_wall_clock_back_neither_stops_the_probes_nor_holds_the_document_back(node: Node) -> None:
+    node.run(5.0)
+    assert node.state() is MemberState.ALIVE
+    version = node.mesh._publisher.version  # type: ignore[union-attr]
+    probes = len(node.sent.pings())
+    node.clock.step(-HOUR)  # NTP corrects a clock an hour fast
+    node.run(MAX_INTERVAL + 1)
+    assert len(node.sent.pings()) >= probes + MAX_INTERVAL  # a probe a second, as before: failures are still found
+    assert node.mesh._publisher.version > version  # type: ignore[union-attr]  # the peers' view of this node stays fresh
+
+
+async def test_a_step_of_the_wall_clock_forward_neither_fails_a_suspect_at_once_nor_ages_every_view(node: Node) -> None:
+    node.run(2.0)
+    held = NodeDocument(node.peer, 1, 1, node.clock.now(), {"name": "nuc", "gpus": []}, b"")
+    node.mesh.view.apply(held, node.mesh.elapsed())
+    node.run(2.0, answer=False)  # the peer stops answering: it is suspected, and has some seconds to refute
+    assert node.state() is MemberState.SUSPECT
+    node.clock.step(HOUR)  # NTP corrects a clock an hour slow
+    node.run(0.1, answer=False)
+    assert node.state() is MemberState.SUSPECT
+    peer = next(n for n in node.mesh.cluster_json()["nodes"] if n["id"] == node.peer)
+    assert peer["age"] == pytest.approx(2.1)  # when this node received it, not an hour ago
