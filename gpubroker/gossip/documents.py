@@ -10,11 +10,15 @@ clock, from when it was received; the sender's clock is shown, never trusted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import msgpack
+
+from gpubroker.units import rfc3339
 
 ROUNDING = 64 * 2**20  # figures are published to the nearest 64 MiB: finer changes are noise, not news
 MIN_INTERVAL = 1.0  # seconds between two versions of a document, at least
@@ -128,9 +132,10 @@ def fitting_labels(labels: dict[str, str]) -> dict[str, str]:
     return dict(_fitting([[key, value] for key, value in sorted(labels.items())], LABELS_ROOM))
 
 
-def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dict[str, Any] | None:
+def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any], shift: float = 0.0) -> dict[str, Any] | None:
     """A lease a node's document lists, in the API's shape of a lease as far as the document tells it
-    (None if the record is not one): a granted lease of `node`, its holder by name, each GPU with its UUID."""
+    (None if the record is not one): a granted lease of `node`, its holder by name, each GPU with its UUID; its
+    times moved by `shift` onto the reader's clock (`ClusterView.shift`)."""
     lease_epoch, gpu_epochs = _epochs(record.get("epochs"))
     gpus = record.get("gpus")
     if not (
@@ -155,18 +160,18 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any]) -> dic
                 {"index": index, "uuid": uuids.get(index), "bytes": size, "epoch": epoch}
                 for (index, size), epoch in zip(record["gpus"], gpu_epochs, strict=False)
             ],
-            "granted_at": record.get("granted_at"),
-            "expires_at": record.get("expires_at"),
+            "granted_at": _shifted(record.get("granted_at"), shift),
+            "expires_at": _shifted(record.get("expires_at"), shift),
             "labels": _labels(record.get("labels")),
         }
     except (KeyError, TypeError, ValueError, IndexError):
         return None
 
 
-def listed_leases(body: dict[str, Any], node: str) -> list[dict[str, Any]]:
+def listed_leases(body: dict[str, Any], node: str, shift: float = 0.0) -> list[dict[str, Any]]:
     """The leases a node's document lists, as `listed_lease` reads them: a record it cannot read (a newer
     broker's, say) is left out, never a failed page or answer."""
-    listed = (listed_lease(body, node, r) for r in body.get("leases", []) if isinstance(r, dict))
+    listed = (listed_lease(body, node, r, shift) for r in body.get("leases", []) if isinstance(r, dict))
     return [lease for lease in listed if lease is not None]
 
 
@@ -184,6 +189,17 @@ def listed_unreadable(body: dict[str, Any]) -> list[dict[str, Any]]:
         and isinstance(entry.get("uuid"), str | None)
         and isinstance(entry.get("error"), str)
     ]
+
+
+def _shifted(stamp: object, shift: float) -> object:
+    """Another node's time (RFC 3339, as leases are written) moved by `shift` onto this node's clock; as it was where
+    there is nothing to move, or it is no time this reader knows."""
+    if not shift or not isinstance(stamp, str):
+        return stamp
+    try:
+        return rfc3339(datetime.fromisoformat(stamp).timestamp() + shift)
+    except (ValueError, OverflowError, OSError):
+        return stamp
 
 
 def _labels(labels: object) -> dict[str, str]:
@@ -286,6 +302,18 @@ class ClusterView:
     def age(self, node: str, now: float) -> float | None:
         held = self.held.get(node)
         return None if held is None else max(0.0, now - held.received_at)
+
+    def shift(self, node: str, now: float, wall: float) -> float:
+        """How far to move `node`'s times (a lease's grant and expiry) to read them on this node's wall clock `wall`
+        (`now` on the elapsed clock): its clock may be minutes or hours off this one's (a box without a real-time
+        clock, a VM restored from a snapshot). Its document was made at `made_at` on its clock and received at
+        `received_at` on this node's, so what was due some time after its making is due that long after the receipt
+        (later by the document's way here, well under a second on a LAN, where the clocks agree)."""
+        held = self.held.get(node)
+        if held is None:
+            return 0.0
+        shift = wall - (now - held.received_at) - held.document.made_at
+        return shift if math.isfinite(shift) else 0.0
 
     def forget(self, node: str) -> None:
         self.held.pop(node, None)

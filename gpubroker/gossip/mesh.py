@@ -730,11 +730,15 @@ class Mesh:
         held = self.view.held.get(node)
         if held is None or self.cluster.is_removed(node):
             return []
-        return listed_leases(held.document.body, node)[:limit]
+        return listed_leases(held.document.body, node, self.shift_of(node))[:limit]
 
     def lease_of(self, lease_id: str) -> dict[str, Any] | None:
         """A lease another node's document lists, as `leases_of` shows it; None if no document lists it (readably)."""
-        return next((listed_lease(d.body, d.node, r) for d, r in self._records() if r.get("id") == lease_id), None)
+        return next((listed_lease(d.body, d.node, r, self.shift_of(d.node)) for d, r in self._records() if r.get("id") == lease_id), None)
+
+    def shift_of(self, node: str) -> float:
+        """How far `node`'s times are moved to read on this node's clock: its own clock is shown, never trusted."""
+        return self.view.shift(node, self.elapsed(), self.clock())
 
     def owner_of(self, lease_id: str) -> str | None:
         """The node whose document lists this lease, if any (by its id alone: the rest of the record may be newer than this reader)."""

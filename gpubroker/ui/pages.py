@@ -373,7 +373,8 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
             continue
         document = node.get("document") or {}
         queues[name] = dict(document.get("queue", {}))
-        for listed_one in listed_leases(document, node["id"]):
+        mesh = request.app[MESH].mesh  # another node's times are read on this node's clock: the two may disagree
+        for listed_one in listed_leases(document, node["id"], mesh.shift_of(node["id"]) if mesh is not None else 0.0):
             rows.append(
                 {
                     "id": listed_one["id"],

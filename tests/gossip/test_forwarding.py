@@ -81,8 +81,10 @@ async def test_a_lease_another_nodes_document_lists_reads_in_the_apis_shape_of_a
     lease_id, _ = await granted(broker, {"project": "lora", "team": "vision"})
     body = summarize(broker.node_json(), broker.list_leases("granted", 100))
     cluster = ClusterState.init(tmp_path / "cluster", Identity.generate(), "nuc", now=NOW)
-    member_view = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, identity=None, cluster=cluster)  # type: ignore[arg-type]
-    member_view.view.apply(NodeDocument("n-tower", 1, 1, 0.0, body, b""), now=0.0)
+    member_view = Mesh(
+        MeshSettings(("127.0.0.1", 0), "127.0.0.1"), broker, identity=None, cluster=cluster, clock=lambda: NOW, elapsed=lambda: 0.0
+    )  # type: ignore[arg-type]
+    member_view.view.apply(NodeDocument("n-tower", 1, 1, NOW, body, b""), now=0.0)  # the clocks agree: times are as the owner's
     listed = member_view.lease_of(lease_id)
     assert listed is not None
     own = broker.get(lease_id)

@@ -4,11 +4,14 @@ timers and ages are measured on the elapsed clock, and another machine's stamps 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from fakes import GIB, FakeClock, FakeGpuProbe
 
 from gpubroker.broker.service import Broker
@@ -20,6 +23,8 @@ from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.membership import Membership, MembershipConfig
 from gpubroker.gossip.mesh import Mesh, MeshSettings
 from gpubroker.gossip.messages import Ack, Addr, Alive, Compound, MemberState, Message, Ping
+from gpubroker.ui.api import make_app
+from gpubroker.units import rfc3339
 
 PEER_ADDR = ("127.0.0.1", 9)
 HOUR = 3600.0
@@ -110,3 +115,43 @@ async def test_a_step_of_the_wall_clock_forward_neither_fails_a_suspect_at_once_
     assert node.state() is MemberState.SUSPECT
     peer = next(n for n in node.mesh.cluster_json()["nodes"] if n["id"] == node.peer)
     assert peer["age"] == pytest.approx(2.1)  # when this node received it, not an hour ago
+
+
+def peer_document(peer: str, made_at: float) -> NodeDocument:
+    """The peer's document as its own clock stamps it: a lease granted 90 s before it was made, due 330 s after."""
+    lease = {
+        "id": "l-0123456789ab",
+        "holder": "train",
+        "priority": "batch",
+        "gpus": [[0, GIB]],
+        "granted_at": rfc3339(made_at - 90),
+        "expires_at": rfc3339(made_at + 330),
+    }
+    return NodeDocument(peer, 1, 1, made_at, {"name": "nuc", "gpus": [{"index": 0, "uuid": "GPU-0"}], "leases": [lease]}, b"")
+
+
+@pytest.mark.parametrize("off", [HOUR, -HOUR])
+async def test_a_peers_leases_are_read_on_this_nodes_clock_whatever_its_own_clock_says(node: Node, off: float) -> None:
+    """A peer an hour fast (or slow) showed its lease granted an hour ahead and due in an hour (or long expired)."""
+    node.run(1.0)
+    node.mesh.view.apply(peer_document(node.peer, node.clock.now() + off), node.mesh.elapsed())
+    node.run(10.0)  # the document is 10 s old here
+    now = node.clock.now()
+    lease = node.mesh.lease_of("l-0123456789ab")
+    assert lease is not None
+    assert (lease["granted_at"], lease["expires_at"]) == (rfc3339(now - 100), rfc3339(now + 320))
+    assert [listed["expires_at"] for listed in node.mesh.leases_of(node.peer, 10)] == [rfc3339(now + 320)]
+
+
+@pytest.mark.parametrize("off", [HOUR, -HOUR])
+async def test_the_leases_page_shows_a_peers_lease_granted_and_due_as_it_is_whatever_the_peers_clock_says(node: Node, off: float) -> None:
+    node.mesh.clock, node.mesh.elapsed = time.time, time.monotonic  # the page reads the real wall clock
+    node.mesh.view.apply(peer_document(node.peer, time.time() + off), time.monotonic())
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(node.mesh.broker, node.mesh)))
+    await client.start_server()
+    try:
+        row = next(line for line in (await (await client.get("/leases")).text()).split("<tr") if "l-0123456789ab" in line)
+    finally:
+        await client.close()
+    assert ">1 min ago</time>" in row, row  # granted
+    assert ">in 5 min</time>" in row, row  # due
