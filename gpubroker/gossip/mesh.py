@@ -12,6 +12,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -116,6 +117,9 @@ class Asker:
     on_event: Callable[[str, str], None]
     clock: Callable[[], float] = time.time
     targets: set[Addr] = field(default_factory=set)
+    # How far each member's clock is ahead of ours, as it said when it found our request stale: a box without a
+    # real-time clock may be hours off, and its requests would be stale for good; they are stamped on the member's.
+    offsets: dict[Addr, float] = field(default_factory=dict)
 
     def _sighted(self, sighting: Sighting) -> None:
         if sighting.cluster:  # a member of some cluster; mDNS finds, the operator decides
@@ -147,7 +151,20 @@ class Asker:
                 await discovery.close()
 
     async def _ask(self, addr: Addr) -> JoinGrant | None:
-        at = self.clock()
+        answer = await self._asked(addr)
+        their = answer.get("now") if answer is not None else None
+        if isinstance(their, int | float) and math.isfinite(their):
+            self.offsets[addr] = their - self.clock()  # stale on its clock: asked again at once, stamped on its clock
+            answer = await self._asked(addr)
+        grant = answer.get("grant") if answer is not None else None
+        if isinstance(grant, dict):
+            with contextlib.suppress(ClusterError):
+                return JoinGrant.from_dict(grant)
+        return None
+
+    async def _asked(self, addr: Addr) -> dict[str, Any] | None:
+        """The answer of the member at `addr` to a request to be admitted, or None when it cannot be reached."""
+        at = self.clock() + self.offsets.get(addr, 0.0)
 
         def request(server_fingerprint: str) -> dict[str, Any]:
             return {
@@ -160,14 +177,9 @@ class Asker:
             }
 
         try:
-            answer = await call_unpinned(addr, request)
+            return await call_unpinned(addr, request)
         except PeerError:
             return None
-        grant = answer.get("grant")
-        if isinstance(grant, dict):
-            with contextlib.suppress(ClusterError):
-                return JoinGrant.from_dict(grant)
-        return None
 
 
 DOCUMENT_RETRIES = (0.0, 0.5, 1.0, 2.0, 4.0)  # seconds before each try to fetch an announced document
@@ -593,8 +605,11 @@ class Mesh:
             genuine = Identity.verify(public_key_of(der), ask_proof(self.identity.fingerprint(), at), proof)
         except (KeyError, TypeError, ValueError, IdentityError):
             return {"error": "not a request to be admitted"}
-        if not genuine or abs(self.clock() - at) > ASK_FRESH:
-            return {"error": "the request is not signed by the node it names, or is stale"}
+        if not genuine:
+            return {"error": "the request is not signed by the node it names"}
+        now = self.clock()
+        if abs(now - at) > ASK_FRESH:  # this clock is told: the asker's may be hours off (no real-time clock)
+            return {"error": f"the request is stamped {at - now:+.0f} s off this member's clock", "now": now}
         if self.cluster.is_member(node):
             return {"grant": self.cluster.grant().to_dict()}
         addr = request.get("addr")

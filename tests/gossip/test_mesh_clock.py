@@ -21,8 +21,9 @@ from gpubroker.gossip.cluster import ClusterState, decode_token
 from gpubroker.gossip.documents import MAX_INTERVAL, NodeDocument, Publisher
 from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.membership import Membership, MembershipConfig
-from gpubroker.gossip.mesh import Mesh, MeshSettings
+from gpubroker.gossip.mesh import Asker, Mesh, MeshSettings
 from gpubroker.gossip.messages import Ack, Addr, Alive, Compound, MemberState, Message, Ping
+from gpubroker.gossip.transport import PeerServer
 from gpubroker.ui.api import make_app
 from gpubroker.units import rfc3339
 
@@ -155,3 +156,27 @@ async def test_the_leases_page_shows_a_peers_lease_granted_and_due_as_it_is_what
         await client.close()
     assert ">1 min ago</time>" in row, row  # granted
     assert ">in 5 min</time>" in row, row  # due
+
+
+@pytest.mark.parametrize("off", [-3 * HOUR, 3 * HOUR])
+async def test_a_node_whose_clock_is_hours_off_the_members_asks_to_join_and_gets_its_grant(node: Node, tmp_path: Path, off: float) -> None:
+    """`up --ask` on a box without a real-time clock: its requests were refused as stale, for good and without a word,
+    so the operator had nothing to approve. The member says its clock, and the request is stamped on it."""
+    server = await PeerServer.start(("127.0.0.1", 0), node.mesh.identity, node.mesh.cluster.members_der, node.mesh._on_request)
+    asker = Asker(
+        MeshSettings(("127.0.0.1", 9741), "127.0.0.1", mdns=False),
+        Identity.generate(),
+        "pi",
+        tmp_path / "pi",
+        on_event=lambda kind, text: None,
+        clock=lambda: node.clock.now() + off,
+    )
+    try:
+        assert await asker._ask(server.address) is None  # not approved yet
+        assert [p.node_id for p in node.mesh.cluster.pending_list()] == [asker.identity.node_id]
+        node.mesh.approve(asker.identity.node_id)
+        grant = await asker._ask(server.address)
+    finally:
+        await server.close()
+    assert grant is not None
+    assert grant.cluster_id == node.mesh.cluster.cluster_id
