@@ -203,7 +203,10 @@ class Identity:
             isinstance(key, Ed25519PublicKey)
             and key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw) == self.public_key_bytes
         )
-        return ours and cert.not_valid_before_utc <= at < cert.not_valid_after_utc - RENEW_BEFORE
+        # Not made again for being "not yet valid": a certificate made while this clock ran fast, or read while it runs
+        # slow (a box without a real-time clock, before NTP), is still this node's, and a new one is not the one its
+        # members pinned: it would be refused by every one of them, for good.
+        return ours and at < cert.not_valid_after_utc - RENEW_BEFORE
 
     def _make_certificate(self, at: dt.datetime) -> x509.Certificate:
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.node_id)])

@@ -3,6 +3,7 @@ timers and ages are measured on the elapsed clock, and another machine's stamps 
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.membership import Membership, MembershipConfig
 from gpubroker.gossip.mesh import Asker, Mesh, MeshSettings
 from gpubroker.gossip.messages import Ack, Addr, Alive, Compound, MemberState, Message, Ping
-from gpubroker.gossip.transport import PeerServer
+from gpubroker.gossip.transport import PeerServer, call_member
 from gpubroker.ui.api import make_app
 from gpubroker.units import rfc3339
 
@@ -180,3 +181,33 @@ async def test_a_node_whose_clock_is_hours_off_the_members_asks_to_join_and_gets
         await server.close()
     assert grant is not None
     assert grant.cluster_id == node.mesh.cluster.cluster_id
+
+
+async def test_members_whose_clocks_were_days_apart_when_they_made_their_certificates_still_talk_over_mutual_tls(
+    tmp_path: Path,
+) -> None:
+    """A box whose clock ran 3 days fast when it made its certificate (or, the same to a peer, a peer whose clock runs
+    3 days slow): every TLS call between it and the others, both ways, was refused as "not yet valid"; and once its own
+    clock was right, its next start made a new certificate, which no member had pinned."""
+    fast, other = Identity.load_or_create(tmp_path / "fast"), Identity.load_or_create(tmp_path / "other")
+    pinned = {fast.node_id: fast.certificate_der(dt.datetime.now(dt.UTC) + dt.timedelta(days=3)), other.node_id: other.certificate_der()}
+    fast = Identity.load_or_create(tmp_path / "fast")  # started again, its clock now right
+    assert fast.certificate_der() == pinned[fast.node_id]
+
+    async def who(peer: str | None, request: dict[str, Any]) -> dict[str, Any]:
+        return {"peer": peer}
+
+    servers = {
+        node: await PeerServer.start(("127.0.0.1", 0), identity, lambda: pinned, who)
+        for node, identity in ((fast.node_id, fast), (other.node_id, other))
+    }
+    try:
+        assert await call_member(servers[fast.node_id].address, other, pinned, {"op": "who"}, expect=fast.node_id) == {
+            "peer": other.node_id
+        }
+        assert await call_member(servers[other.node_id].address, fast, pinned, {"op": "who"}, expect=other.node_id) == {
+            "peer": fast.node_id
+        }
+    finally:
+        for server in servers.values():
+            await server.close()
