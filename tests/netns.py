@@ -122,14 +122,14 @@ class NsBroker:
             capture_output=True,
         )
 
-    def start(self, *extra: str) -> None:
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> None:
         argv = [
             sys.executable, "-m", "gpubroker", "up", "--state", str(self.state), "--socket", str(self.socket),
             "--listen", "127.0.0.1:9740", "--simulate-gpus", self.gpus, "--gossip", "0.0.0.0:9741",
             "--advertise", self.lan.address(self.index), "--name", f"node{self.index}", *extra,
         ]  # fmt: skip
         log = open(self.root / f"log{self.index}", "a")  # noqa: SIM115 - kept open for the process's life
-        self.proc = self.lan.run(self.index, argv, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = self.lan.run(self.index, argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_for(lambda: self._ready(), timeout=20)
 
     def _ready(self) -> bool:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -145,13 +146,17 @@ def test_a_broker_of_another_cluster_pointed_at_a_member_is_never_counted(tmp_pa
             stranger.stop()
 
 
-def test_a_node_without_a_token_asks_is_approved_and_joins(tmp_path: Path) -> None:
+@pytest.mark.parametrize("skew", [0, -3 * 3600])  # and from a box whose clock is 3 hours slow (no real-time clock)
+def test_a_node_without_a_token_asks_is_approved_and_joins(tmp_path: Path, skew: int) -> None:
+    offset = tmp_path / "offset"
+    offset.write_text(str(skew))
+    skewed = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "skewed"), "GPUBROKER_TEST_CLOCK_OFFSET": str(offset)}
     with Lan(2) as lan:
         member, newcomer = NsBroker(lan, 0, tmp_path, "1x24GiB"), NsBroker(lan, 1, tmp_path, "1x12GiB")
         try:
             member.init()
             member.start()
-            newcomer.start("--ask")  # found by mDNS; no token, no seed
+            newcomer.start("--ask", env=skewed)  # found by mDNS; no token, no seed
             wait_for(lambda: [p["name"] for p in member.client.call("GET", "/v1/cluster/nodes")["pending"]] == ["node1"], 20)
             assert [n["name"] for n in member.cluster()["nodes"]] == ["node0"]  # asking is not being a member
             pending = member.client.call("GET", "/v1/cluster/nodes")["pending"][0]
@@ -163,3 +168,41 @@ def test_a_node_without_a_token_asks_is_approved_and_joins(tmp_path: Path) -> No
         finally:
             member.stop()
             newcomer.stop()
+
+
+def test_a_member_whose_clock_is_an_hour_fast_and_then_stepped_right_stays_in_the_mesh_and_shows_true_times(
+    tmp_path: Path,
+) -> None:
+    """A box without a real-time clock: node1's wall clock runs an hour fast, then NTP steps it back while it runs."""
+    offset = tmp_path / "offset"
+    offset.write_text(str(3600))
+    with Lan(2) as lan:
+        brokers = [NsBroker(lan, i, tmp_path, "1x24GiB") for i in range(2)]
+        member, fast = brokers
+        skewed = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "skewed"), "GPUBROKER_TEST_CLOCK_OFFSET": str(offset)}
+        try:
+            member.init()
+            member.start()
+            token = member.client.call("POST", "/v1/cluster/invites", {"ttl": "10m"})["token"]
+            fast.start("--join", token, env=skewed)
+            wait_for(lambda: member.sees() == {"node0": "alive", "node1": "alive"} and member.document_of("node1"), 30, 0.05)
+
+            held = fast.client.call("POST", "/v1/leases", {"gpu_memory": "1GiB", "bind": "none", "ttl": "10m"})["lease"]
+            wait_for(lambda: any(r["id"] == held["id"] for r in member.document_of("node1")["leases"]), 10, 0.05)  # type: ignore[index]
+            shown = member.client.call("GET", f"/v1/leases/{held['id']}")["lease"]
+            due = datetime.fromisoformat(shown["expires_at"]).timestamp() - time.time()
+            print(f"a lease of node1 (an hour fast) due in 600 s reads on node0 as due in {due:.0f} s")
+            assert 560 < due <= 601
+
+            offset.write_text("0")  # NTP steps node1's clock back an hour
+            time.sleep(3)  # a step is seen within 0.2 s; a few probe, gossip and publishing rounds after it
+            later = fast.client.call("POST", "/v1/leases", {"gpu_memory": "2GiB", "bind": "none", "ttl": "10m"})["lease"]
+            spread = timed(lambda: any(r["id"] == later["id"] for r in member.document_of("node1")["leases"]), 10)  # type: ignore[index]
+            print(f"after node1's clock stepped back an hour, its new lease reached node0's view in {spread:.2f} s")
+            assert member.sees() == {"node0": "alive", "node1": "alive"}
+            assert fast.sees() == {"node0": "alive", "node1": "alive"}
+            due = datetime.fromisoformat(member.client.call("GET", f"/v1/leases/{later['id']}")["lease"]["expires_at"]).timestamp()
+            assert 560 < due - time.time() <= 601
+        finally:
+            for broker in brokers:
+                broker.stop()
