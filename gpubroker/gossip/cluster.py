@@ -447,6 +447,14 @@ class ClusterState:
         self._save()
         return self._generation
 
+    def raise_generation(self, at_least: int) -> int:
+        """The generation raised to `at_least` (members hold a document of a later one: this state was restored),
+        persisted first; as it is when it is already that high."""
+        if at_least > self._generation:
+            self._generation = at_least
+            self._save()
+        return self._generation
+
     @property
     def incarnation(self) -> int:
         return self._incarnation

@@ -9,7 +9,8 @@ No sockets, no asyncio, no clock: the runtime feeds it inputs with the time and 
                                    interval, dead members every dead_retry_interval, seeds while we know nobody)
               tcp_ping_requests    TcpPing: the fallback ping over TCP; answer with tcp_ping_result
               events               Event(kind, node): joined, alive, suspect, dead, left, updated
-              notices              DocumentNotice values newer than any seen before for their node
+              notices              DocumentNotice values newer than any seen before for their node (this node's own
+                                   too: members hold a newer document of it than it makes, so it must start above)
     queries   members() · alive_count() · health_score() · incarnation · next_deadline() · leave_done
 
 The runtime empties the output lists after each call (they only grow here), calls `tick` no later than
@@ -580,6 +581,11 @@ class Membership:
                     self._documents[message.node] = (message.generation, message.version)
                     self.notices.append(message)
                     self._queue.queue(("document", message.node), message)
+                elif (message.generation, message.version) < seen and not self._queue.has(("document", message.node)):
+                    # Behind what we heard: a late copy, or a node started from older state (a VM restored from a
+                    # snapshot) whose documents every member would ignore. The newer notice is told again, so
+                    # the node hears of it and starts a generation above it (as a node refutes an old incarnation).
+                    self._queue.queue(("document", message.node), DocumentNotice(message.node, *seen))
             case PushPull() | Compound():
                 pass  # push-pull travels over TCP; a Compound inside a Compound is not a thing senders make
 

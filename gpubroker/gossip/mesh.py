@@ -336,11 +336,32 @@ class Mesh:
             self._member_event(str(event.kind), event.node)
         m.events.clear()
         for notice in m.notices:
-            self._spawn(self._fetch_document(notice))
+            if notice.node == self.node_id:
+                self._outrun(notice)
+            else:
+                self._spawn(self._fetch_document(notice))
         m.notices.clear()
         if self.cluster.incarnation != m.incarnation:
             self.cluster.save_incarnation(m.incarnation)
         self._elect()
+
+    def _outrun(self, notice: DocumentNotice) -> None:
+        """Members hold a document of this node newer than any of this run's: its state was restored from a snapshot or
+        a backup taken before later starts, and they would ignore its documents (and show the old one's leases and
+        figures) until its versions passed that one's. Its documents go on from a generation above it."""
+        publisher = self._publisher
+        if publisher is None or (notice.generation, notice.version) <= (publisher.generation, publisher.version):
+            return
+        if notice.generation >= 2**63 - 1:  # no document can go on above it (open_document's bound): a forged notice
+            return
+        publisher.generation = self.cluster.raise_generation(notice.generation + 1)
+        publisher.version, publisher.last_made = 0, float("-inf")  # the next look publishes at once
+        log.info(
+            "members hold document %d.%d of this node: its documents go on at generation %d",
+            notice.generation,
+            notice.version,
+            publisher.generation,
+        )
 
     def _member_event(self, kind: str, node: str) -> None:
         if self.cluster.is_removed(node):

@@ -414,6 +414,20 @@ def test_a_document_notice_reaches_every_node() -> None:
     print(f"notice to all of 10: p50 {statistics.median(delays) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
 
 
+def test_a_node_started_from_older_state_hears_of_the_newer_document_the_others_hold_of_it() -> None:
+    """A VM restored from a snapshot announces documents behind the one the others hold of it, which they would
+    ignore until its versions passed it: they tell it of theirs again, so that it goes on above it."""
+    net = started(3, seed=11)
+    newer = DocumentNotice("n-002", 5, 40)
+    net.do("n-002", partial(Membership.broadcast, notice=newer))
+    assert net.run_until_true(partial(reached_all, net, newer, 2), timeout=10.0) is not None
+    net.run_for(30.0)  # every retransmit of it is long done
+    net.restart("n-002")
+    net.do("n-002", partial(Membership.broadcast, notice=DocumentNotice("n-002", 5, 1)))  # one start later than the state
+    told = net.run_until_true(lambda: any(node == "n-002" and notice == newer for _, node, notice in net.notices), timeout=5.0)
+    assert told is not None
+
+
 def test_a_broadcast_is_sent_at_most_retransmit_mult_times_log10_n_plus_one_by_each_node() -> None:
     net = started(10, seed=8, record=True)
     net.run_for(5.0)

@@ -1,5 +1,6 @@
 """The mesh when a wall clock steps (NTP arriving on a box without a real-time clock) or disagrees with the others':
-timers and ages are measured on the elapsed clock, and another machine's stamps are read against when they came."""
+timers and ages are measured on the elapsed clock, and another machine's stamps are read against when they came; and
+when a node starts from older state than the members remember of it (a VM restored from a snapshot)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from gpubroker.gossip.documents import MAX_INTERVAL, NodeDocument, Publisher
 from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.membership import Membership, MembershipConfig
 from gpubroker.gossip.mesh import Asker, Mesh, MeshSettings
-from gpubroker.gossip.messages import Ack, Addr, Alive, Compound, MemberState, Message, Ping
+from gpubroker.gossip.messages import Ack, Addr, Alive, Compound, DocumentNotice, MemberState, Message, Ping
 from gpubroker.gossip.transport import PeerServer, call_member
 from gpubroker.ui.api import make_app
 from gpubroker.units import rfc3339
@@ -211,3 +212,18 @@ async def test_members_whose_clocks_were_days_apart_when_they_made_their_certifi
     finally:
         for server in servers.values():
             await server.close()
+
+
+async def test_a_node_started_from_older_state_goes_on_above_the_document_the_members_hold_of_it(node: Node, tmp_path: Path) -> None:
+    """A VM restored from a snapshot taken before later starts: the members held a document of a later generation,
+    and ignored this node's documents, showing the old one's leases and figures, until its versions passed it."""
+    node.run(1.0)
+    publisher = node.mesh._publisher
+    assert publisher is not None
+    assert (publisher.generation, publisher.version) == (1, 1)
+    node.mesh._on_datagram(PEER_ADDR, DocumentNotice(node.mesh.node_id, 3, 40))  # a member tells of the one it holds
+    node.run(1.0)
+    assert (publisher.generation, publisher.version) == (4, 1)
+    saved = ClusterState.load(tmp_path / "cluster")
+    assert saved is not None
+    assert saved.generation == 4  # the next start goes on above it too
