@@ -115,7 +115,7 @@ class _Reclaim:
     lease: str
     uuid: str
     pids: frozenset[int]
-    released_at: float
+    released_at: float  # on the elapsed clock: reclaim_grace is elapsed time, whatever NTP does to the wall clock
     reported: bool = False
 
 
@@ -437,7 +437,7 @@ class Broker:
         self._applied_at = (self.clock.now(), self.clock.elapsed())
         self._changed()
         writes: list[Write] = []
-        now = self.clock.now()
+        now = self.clock.elapsed()
         for budget in self.budgets():
             index = budget.reading.index
             gpu = budget.reading.uuid
@@ -1217,7 +1217,7 @@ class Broker:
                         earlier.pids -= pids
                         if not earlier.pids:
                             self._reclaims.remove(earlier)
-                    self._reclaims.append(_Reclaim(lease.id, gpu.uuid, pids, lease.ended_at or self.clock.now()))
+                    self._reclaims.append(_Reclaim(lease.id, gpu.uuid, pids, self.clock.elapsed()))
         self._unhold(lease)
         self.over_declared_ids.discard(lease.id)
         if self._watch is not None:

@@ -902,6 +902,34 @@ async def test_memory_still_used_after_release_is_reported_and_counts_as_externa
     assert node.gpu()["figures"]["external"] == 8 * GIB
 
 
+async def test_a_step_of_the_wall_clock_neither_reports_memory_as_not_reclaimed_early_nor_holds_the_report_back(
+    make_node: Callable[..., Any],
+) -> None:
+    """`reclaim_grace` is elapsed time: NTP stepping the clock an hour forward just after a release reported its work's
+    memory as "still in use 3600s after release" at once; an hour back kept the report back for an hour."""
+    node = await make_node()
+
+    async def reported() -> list[tuple[str, str]]:
+        await settle()
+        return [(e["lease"], e["message"].split(" is ", 1)[1]) for e in await node.events("gpu.memory_not_reclaimed")]
+
+    for step in (3600, -7200):  # an hour forward, then two back
+        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "trainer", "pid": 4242})
+        node.probe.processes[0] = [GpuProcess(4242, "python", 8 * GIB)]
+        await node.sample()
+        await node.broker.release(lease["id"], TCP, token)
+        before = await reported()
+        node.clock.step(step)
+        node.clock.advance(1)
+        await node.sample()
+        assert await reported() == before, step
+        node.clock.advance(10)
+        await node.sample()
+        assert await reported() == [*before, (lease["id"], "still in use 11s after release; it counts as external until it is gone")]
+        node.probe.processes[0] = []  # its memory is freed at last
+        await node.sample()
+
+
 async def test_a_worker_keeping_its_memory_from_lease_to_lease_leaves_one_reclaim_not_one_per_lease(
     make_node: Callable[..., Any],
 ) -> None:
