@@ -126,6 +126,7 @@ def _print_cluster(cluster: dict[str, Any]) -> None:
         if other.get("state") in ("alive", "suspect") and document:
             gpus = ", ".join(
                 f"GPU {g['index']} {gib(g['figures']['schedulable'])}/{gib(g['figures']['total'])} GiB schedulable"
+                + (" STALE (no decision is made on it)" if g.get("stale") else "")
                 for g in document.get("gpus", [])
             )
             line += f"; {gpus or 'no GPUs'}"

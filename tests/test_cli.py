@@ -103,14 +103,16 @@ def test_status_shows_the_room_of_the_nodes_up_only_and_names_the_coordinator(ca
             {"id": "n-b", "name": "nuc", "state": "alive", "age": 0.4, "document": {"gpus": [gpu]}},
             {"id": "n-c", "name": "old", "state": "dead", "age": 95.0, "document": {"gpus": [gpu]}},
             {"id": "n-d", "name": "new", "state": "alive", "age": None},
+            {"id": "n-e", "name": "hung", "state": "alive", "age": 0.2, "document": {"gpus": [{**gpu, "stale": True}]}},
         ],
     }
     cli._print_cluster(cluster)
     assert capsys.readouterr().out.splitlines() == [
-        "cluster: 4 nodes (3 up), coordinator nuc",
+        "cluster: 5 nodes (4 up), coordinator nuc",
         "  nuc (coordinator): alive, seen 0.4s ago; GPU 0 18.0/24.0 GiB schedulable",
         "  old: dead, seen 95.0s ago",  # its last figures are no room now
         "  new: alive, no document yet",  # not "no GPUs": nothing is known of them yet
+        "  hung: alive, seen 0.2s ago; GPU 0 18.0/24.0 GiB schedulable STALE (no decision is made on it)",  # a hung driver's
     ]
 
 

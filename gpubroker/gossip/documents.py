@@ -72,6 +72,8 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
                 "figures": {k: round_bytes(v, down=k == "schedulable") for k, v in gpu["figures"].items()},
                 "external": {name: round_bytes(size) for name, size in sorted(external.items())},
                 "pressure": bool(gpu.get("pressure")),
+                # Its node's verdict, on its own elapsed clock: a time of reading would be read against another's clock.
+                **({"stale": True} if gpu.get("stale") else {}),
             }
         )
     # A lease's card by its UUID, as the driver numbers the cards now; a card it no longer lists is left out where

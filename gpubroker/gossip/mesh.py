@@ -994,7 +994,7 @@ def _has_room(gpu: dict[str, Any], request: LeaseRequest, leased: set[int]) -> b
     """Whether a GPU of another node's document shows room for `request`, as that node would decide (decide._room);
     `leased`: the indexes of that node's GPUs its document lists leases on."""
     figures = gpu.get("figures")
-    if not isinstance(figures, dict):
+    if not isinstance(figures, dict) or gpu.get("stale"):  # its node decides on no stale reading: SCHEDULER_STATE_STALE
         return False
     if not request.exclusive:
         return bool(figures.get("schedulable", 0) >= request.gpu_memory)

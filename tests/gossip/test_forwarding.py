@@ -260,6 +260,25 @@ def test_an_exclusive_request_is_hinted_only_at_gpus_without_leases_and_a_pinned
     assert hinted({"exclusive": True, "gpu_memory": "8GiB"}) == []
 
 
+async def test_a_gpu_whose_reading_is_stale_here_is_said_stale_in_this_nodes_document(owner: tuple[Mesh, Broker]) -> None:
+    _, broker = owner
+    assert "stale" not in summarize(broker.node_json(), [])["gpus"][0]
+    broker.clock.advance(broker.config.staleness + 1)  # type: ignore[attr-defined]  # no reading since: a hung driver
+    assert summarize(broker.node_json(), [])["gpus"][0]["stale"] is True
+
+
+def test_a_peers_gpu_whose_reading_is_stale_there_is_hinted_at_by_no_member(trio: Trio) -> None:
+    """Its node refuses every request for it (SCHEDULER_STATE_STALE: a driver that stopped answering), whatever room
+    its last figures show; its document says so, decided on that node's own clock."""
+    trio.membership.set(trio.b.node_id, ("127.0.0.1", 9), MemberState.ALIVE)
+    gpus = [{"index": 0, "uuid": "GPU-b0", "figures": figures(24 * GIB, 0), "stale": True}]
+    trio.mesh.view.apply(NodeDocument(trio.b.node_id, 1, 2, NOW, {"name": "node-b", "gpus": gpus, "leases": []}, b""), NOW)
+    assert trio.mesh.elsewhere(parse_request({"bind": "none", "gpu_memory": "8GiB"})) == []
+    fresh = [{**gpus[0], "stale": False}]
+    trio.mesh.view.apply(NodeDocument(trio.b.node_id, 1, 3, NOW, {"name": "node-b", "gpus": fresh, "leases": []}, b""), NOW)
+    assert [h["name"] for h in trio.mesh.elsewhere(parse_request({"bind": "none", "gpu_memory": "8GiB"})) or []] == ["node-b"]
+
+
 @dataclass
 class Events:
     """The broker as the mesh tells it what happened."""

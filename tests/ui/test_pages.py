@@ -334,6 +334,17 @@ async def test_a_peers_gpu_its_driver_cannot_read_is_shown_on_the_cluster_page_f
     assert "GPU 1 (UUID unknown) cannot be read: GPU is &lt;lost&gt;; not offered until it can be read again" in text
 
 
+async def test_a_gpu_whose_reading_is_stale_is_marked_on_the_cluster_page_here_and_on_a_peer(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, broker, _ = served
+    fresh = summarize(broker.node_json(), [])
+    assert (await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": fresh})).count("stale:") == 0
+    broker.clock.advance(broker.config.staleness + 1)  # type: ignore[attr-defined]  # no reading since: a hung driver
+    stale = summarize(broker.node_json(), [])  # the peer's document says so, as its node decided
+    assert (await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": stale})).count("stale:") == 2
+
+
 async def test_an_ended_lease_on_the_leases_page_has_no_expiry_ahead(served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe]) -> None:
     client, broker, _ = served
     held = await lease(client)
