@@ -349,13 +349,20 @@ def test_the_api_token_is_one_however_many_make_it_at_once_and_only_its_owner_re
     assert path.stat().st_mode & 0o777 == 0o600
 
 
+class AgreeingClock:
+    """A stand-in mesh whose members' clocks agree with this node's: their times are shown as they came."""
+
+    def shift_of(self, node: str) -> float:
+        return 0.0
+
+
 async def test_ids_from_other_nodes_documents_are_quoted_in_the_urls_of_buttons(tmp_path: Path) -> None:
     client, broker = await serve(tmp_path, password=True)
     app = client.server.app
     assert app is not None
     hostile = "../cluster/nodes/n-victim"
 
-    class Elsewhere:  # a mesh whose view holds another node's document with a hostile lease id
+    class Elsewhere(AgreeingClock):  # a mesh whose view holds another node's document with a hostile lease id
         def cluster_json(self) -> dict[str, Any]:
             lease = {"id": hostile, "holder": "x", "gpus": [[0, GIB]], "priority": "background", "granted_at": "not a time"}
             other = {"id": "n-other", "name": "other", "state": "alive", "self": False, "age": 1.0, "document": {"leases": [lease]}}
@@ -388,7 +395,7 @@ async def test_records_of_another_nodes_document_this_reader_cannot_read_are_lef
         "not a record",
     ]
 
-    class Elsewhere:
+    class Elsewhere(AgreeingClock):
         def cluster_json(self) -> dict[str, Any]:
             document = {"name": "other", "gpus": [{"index": 0, "uuid": "GPU-o", "name": "x", "figures": {}}], "leases": [good, *unreadable]}
             other = {"id": "n-other", "name": "other", "state": "alive", "self": False, "age": 1.0, "document": document}
