@@ -877,6 +877,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        # Ctrl-C (a wait in the queue, `events --follow`): end by SIGINT, as when it ends CMD, so a shell loop over
+        # the command stops too; bash goes on with the loop when its child exits with a status of its own.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stdout.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
         return 130
     except BrokenPipeError:  # `gpubroker events | head`: the reader has all it wanted
         _drop_output()

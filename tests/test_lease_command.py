@@ -259,6 +259,25 @@ def test_cmd_ended_by_ctrl_c_ends_gpubroker_lease_by_sigint_so_a_calling_loop_st
     assert broker.client().call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []  # released first
 
 
+def test_ctrl_c_while_waiting_in_the_queue_cancels_the_request_and_ends_gpubroker_lease_by_sigint(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """A shell loop over `gpubroker lease --wait` stops at Ctrl-C only if it ends by SIGINT: bash goes on to the next
+    turn when its child exits with a status of its own, as it would for a child that handled Ctrl-C."""
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    hog = client.call("POST", "/v1/leases", {"exclusive": True, "bind": "none"})["lease"]
+    waiting = spawn([*gpubroker, "lease", "--exclusive", "--wait", "forever", "--", "true"], broker.env)
+    wait_for(lambda: client.call("GET", "/v1/leases", query={"state": "queued"})["leases"], timeout=20.0)
+
+    waiting.send_signal(signal.SIGINT)
+
+    assert waiting.wait(30) == -signal.SIGINT, lease_log(tmp_path)
+    assert client.call("GET", "/v1/leases", query={"state": "queued"})["leases"] == []  # the broker saw it go
+    assert [lease["id"] for lease in client.call("GET", "/v1/leases", query={"state": "granted"})["leases"]] == [hog["id"]]
+    assert "Traceback" not in lease_log(tmp_path)
+
+
 def test_gpubroker_lease_whose_output_cannot_be_written_releases_the_lease_it_got(
     gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
 ) -> None:
