@@ -253,6 +253,7 @@ class _Terminal:
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
         self._ours = os.getpgrp()
+        self._handed: int | None = None  # the group the terminal was handed to
 
     @classmethod
     def open(cls) -> _Terminal:
@@ -282,6 +283,7 @@ class _Terminal:
 
     def hand_to(self, pgid: int) -> None:
         self._set(pgid)
+        self._handed = pgid
 
     @property
     def ours(self) -> bool:
@@ -308,7 +310,10 @@ class _Terminal:
         self._set(self._ours)
 
     def take_back(self) -> None:
-        self.give_back()
+        """The terminal back from CMD's group, if that has it, and let go of it. A job sent on with `bg` leaves it
+        with the shell, and taking it from there would leave the shell reading from the background: bash exits."""
+        if self._handed is not None and self.foreground == self._handed:
+            self.give_back()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -307,7 +307,8 @@ def process_state(pid: int) -> str:
 
 # A shell's job control, as little of it as the Ctrl-Z tests need, run as the session leader of a pseudo-terminal:
 # the job (argv[3:]) in a process group of its own in the foreground; when it stops, the terminal is taken back and
-# "stopped" said on descriptor argv[1]; a line on descriptor argv[2] is `fg` or `bg`; the job's exit status is said at its end.
+# "stopped" said on descriptor argv[1]; a line on descriptor argv[2] is `fg` or `bg`; the job's exit status is said at its end,
+# and whether the shell still has its terminal then.
 MINI_SHELL = """\
 import os, signal, subprocess, sys
 signal.signal(signal.SIGTTOU, signal.SIG_IGN)
@@ -318,6 +319,7 @@ while True:
     _, status = os.waitpid(job.pid, os.WUNTRACED)
     if not os.WIFSTOPPED(status):
         os.write(report, f"exit {os.waitstatus_to_exitcode(status)}\\n".encode())
+        os.write(report, f"terminal {'shell' if os.tcgetpgrp(0) == os.getpgrp() else 'taken'}\\n".encode())
         break
     os.tcsetpgrp(0, os.getpgrp())
     os.write(report, f"stopped {job.pid}\\n".encode())
@@ -388,6 +390,53 @@ def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_an
 
         os.write(master, b"\x03")  # Ctrl-C reaches CMD, and ends the job by SIGINT
         assert said_within(said) == f"exit {-signal.SIGINT}\n"
+        assert shell.wait(30) == 0
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+            shell.wait(10)
+        os.close(said)
+        os.close(tell)
+        os.close(master)
+
+
+def test_a_job_sent_to_the_background_with_bg_leaves_the_shell_its_terminal_when_it_ends(
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+) -> None:
+    """An interactive shell that finds its terminal given to another group reads nothing more: bash exits."""
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    master, slave = os.openpty()
+    said, to_shell = os.pipe()
+    shell_reads, tell = os.pipe()
+
+    def session() -> None:
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    go = tmp_path / "go"
+    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--", "sh", "-c", 'until [ -e "$0" ]; do sleep 0.05; done', str(go)]
+    shell = subprocess.Popen(
+        [sys.executable, "-c", MINI_SHELL, str(to_shell), str(shell_reads), *argv], env=broker.env, stdin=slave, stdout=slave,
+        stderr=slave, pass_fds=(to_shell, shell_reads), preexec_fn=session,
+    )  # fmt: skip
+    os.close(slave)
+    os.close(to_shell)
+    os.close(shell_reads)
+    try:
+        wait_for(lambda: [lease for lease in client.call("GET", "/v1/leases")["leases"] if lease.get("process_groups")], timeout=20.0)
+        [lease] = client.call("GET", "/v1/leases")["leases"]
+        holder, [cmd] = lease["holder"]["pid"], lease["process_groups"]
+        wait_for(lambda: os.tcgetpgrp(master) == cmd, timeout=5.0)
+
+        os.write(master, b"\x1a")  # Ctrl-Z, then bg: the job goes on in the background, and the shell has the terminal
+        assert said_within(said) == f"stopped {holder}\n"
+        os.write(tell, b"bg\n")
+        wait_for(lambda: process_state(cmd) != "T", timeout=5.0)
+        go.touch()  # CMD ends in the background
+
+        assert said_within(said) == "exit 0\n"
+        assert said_within(said) == "terminal shell\n"
         assert shell.wait(30) == 0
     finally:
         if shell.poll() is None:
