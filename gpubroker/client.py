@@ -69,13 +69,26 @@ def find_broker(env: dict[str, str] | None = None) -> Endpoint:
     env = dict(os.environ) if env is None else env
     url = env.get("GPUBROKER_URL")
     if url:
-        if not (url.startswith("unix:") or url.startswith("http://") or url.startswith("https://")):
+        if not _is_address(url):
             raise ClientError(0, "INVALID_REQUEST", f"GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT")
         return Endpoint(url)
     for path in (default_socket(), SYSTEM_SOCKET):
         if _listening(path):
             return Endpoint(f"unix:{path}")
     return Endpoint(DEFAULT_URL)
+
+
+def _is_address(url: str) -> bool:
+    """Whether a GPUBROKER_URL names a socket or a host and port (a port that is no number, or a bracket left open,
+    would otherwise end the command in a traceback)."""
+    if url.startswith("unix:"):
+        return len(url) > len("unix:")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (read for the ValueError of a port that is no number or out of range)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 def _listening(path: Path) -> bool:

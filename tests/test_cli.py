@@ -223,6 +223,16 @@ def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> No
         local.call("GET", "/v1/node", timeout=2)
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:notaport", "http://127.0.0.1:99999", "http://[::1", "http://", "https://:9740", "unix:"])
+def test_a_gpubroker_url_that_is_no_address_is_named_and_nothing_is_asked(
+    url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GPUBROKER_URL", url)
+    assert cli.main(["lease", "--cpu-cores", "1", "--", "true"]) == 1
+    said = capsys.readouterr().err
+    assert said == f"gpubroker: INVALID_REQUEST: GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT\n"
+
+
 def test_a_broker_that_goes_away_with_a_request_is_not_said_to_be_missing(tmp_path: Path) -> None:
     """It was there and took the request: what it was asked may have been done (a grant on disk), so the user is told
     to look before asking again, not to start a broker."""
