@@ -214,6 +214,16 @@ def _gate_in_child(gate: int, die_with_parent: Callable[[], None]) -> Callable[[
 def cmd_lease(args: argparse.Namespace) -> int:
     client = Client(timeout=None)
     bind = "caller" if args.command else "none"
+    if args.command and not client.endpoint.is_unix:
+        # The broker registers a process group on its socket alone: over TCP, CMD could never start (SPEC §3.3).
+        # Said before asking, not after a lease was waited for and granted only to be given back.
+        print(
+            f"gpubroker: lease -- CMD needs the broker's Unix socket, not {client.endpoint.url}: only there can CMD's process "
+            "group be registered with its lease, to be stopped when the lease ends (give GPUBROKER_URL=unix:PATH, the broker's "
+            "--socket)",
+            file=sys.stderr,
+        )
+        return 1
     try:
         answer = client.call("POST", "/v1/leases", _request_body(args, bind))
     except ClientError as error:

@@ -278,6 +278,26 @@ def test_ctrl_c_while_waiting_in_the_queue_cancels_the_request_and_ends_gpubroke
     assert "Traceback" not in lease_log(tmp_path)
 
 
+def test_gpubroker_lease_with_cmd_over_tcp_says_it_needs_the_socket_before_asking_for_a_lease(
+    gpubroker: list[str], broker_process: MakeBroker
+) -> None:
+    """Over TCP CMD's process group can never be registered: a lease asked for there (after a wait in the queue,
+    perhaps) was granted only to be given back, and CMD never ran."""
+    broker = start_broker(gpubroker, broker_process)
+    done = subprocess.run(
+        [*gpubroker, "lease", "--cpu-cores", "1", "--wait", "forever", "--", "true"],
+        env={**broker.env, "GPUBROKER_URL": broker.url},
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done
+    assert done.stderr.decode() == (
+        f"gpubroker: lease -- CMD needs the broker's Unix socket, not {broker.url}: only there can CMD's process group be "
+        "registered with its lease, to be stopped when the lease ends (give GPUBROKER_URL=unix:PATH, the broker's --socket)\n"
+    )
+    assert broker.client().call("GET", "/v1/leases")["leases"] == []  # nothing was asked for
+
+
 def test_gpubroker_lease_whose_output_cannot_be_written_releases_the_lease_it_got(
     gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
 ) -> None:
