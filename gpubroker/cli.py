@@ -257,8 +257,9 @@ def cmd_lease(args: argparse.Namespace) -> int:
 
 
 class _Terminal:
-    """The controlling terminal, when this process is in its foreground: CMD's group gets it while it runs,
-    so Ctrl-C and reads from the terminal reach the work, as if it had been started by the shell."""
+    """The controlling terminal, when this process is in its foreground or a job a shell can stop and continue in
+    its background: CMD's group gets it while the job is in the foreground, so Ctrl-C and reads from the terminal
+    reach the work, as if it had been started by the shell."""
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
@@ -275,10 +276,10 @@ class _Terminal:
             foreground = os.tcgetpgrp(fd) == os.getpgrp()
         except OSError:
             foreground = False
-        if not foreground:  # a background job keeps its hands off the terminal
+        if not foreground and not _stoppable():  # in the background with no shell to bring it to the foreground
             os.close(fd)
             return cls(None)
-        return cls(fd)
+        return cls(fd)  # a background job keeps its hands off it until `fg` gives it the terminal
 
     def _set(self, pgid: int) -> None:
         if self._fd is None:
@@ -312,7 +313,7 @@ class _Terminal:
 
     @property
     def held(self) -> bool:
-        """Whether CMD was given the terminal (this process started in the foreground of one)."""
+        """Whether this process runs as a job at a terminal (in its foreground, or in a shell's background)."""
         return self._fd is not None
 
     def give_back(self) -> None:
@@ -351,7 +352,8 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     failed: str | None = None  # why CMD never started (its gate closed unopened)
     try:
         client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token)
-        terminal.hand_to(child.pid)
+        if terminal.ours:
+            terminal.hand_to(child.pid)
         os.write(gate[1], b"go\n")
     except ClientError as error:
         failed = f"CMD's process group could not be registered: {error.code}: {error.message}"
@@ -441,12 +443,31 @@ def _wait_as_a_job(child: subprocess.Popen[bytes], terminal: _Terminal, hold: Ca
                 # Stopped for reading or writing the terminal just as the job came to the foreground: go on.
                 continued(signal.SIGCONT, None)
                 continue
+            elif not _stoppable():
+                # In the background, and the shell is gone: the kernel would not stop this job, and CMD continued
+                # would only stop again at once. It stays stopped, as it would had it been started alone.
+                return _exit_code(child, os.waitpid(child.pid, 0)[1])
             hold(True)
             os.killpg(0, signal.SIGTSTP)  # the whole job, as the terminal stops it: stopped here until continued
             hold(False)
             continued(signal.SIGCONT, None)  # (done already if this process was stopped; not where the kernel would not stop it)
     finally:
         signal.signal(signal.SIGCONT, signal.SIG_DFL)
+
+
+def _stoppable() -> bool:
+    """Whether this process's job can be stopped and continued: it, or its nearest ancestor in its group, has its
+    parent in another group of the same session (a shell with job control). An orphaned group is never stopped."""
+    import psutil
+
+    group, session = os.getpgrp(), os.getsid(0)
+    try:
+        for parent in psutil.Process().parents():
+            if os.getpgid(parent.pid) != group:
+                return os.getsid(parent.pid) == session
+    except (psutil.Error, OSError):
+        pass
+    return False
 
 
 def _exit_code(child: subprocess.Popen[bytes], status: int) -> int:

@@ -7,6 +7,7 @@ group is signalled. CMD's own exit code, environment and release are checked her
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import select
@@ -326,15 +327,18 @@ def process_state(pid: int) -> str:
 
 
 # A shell's job control, as little of it as the Ctrl-Z tests need, run as the session leader of a pseudo-terminal:
-# the job (argv[3:]) in a process group of its own in the foreground; when it stops, the terminal is taken back and
+# the job (argv[3:]) in a process group of its own in the foreground (in the background after a first word "&"); when it
+# stops, the terminal is taken back and
 # "stopped" said on descriptor argv[1]; a line on descriptor argv[2] is `fg` or `bg`; the job's exit status is said at its end,
 # and whether the shell still has its terminal then.
 MINI_SHELL = """\
 import os, signal, subprocess, sys
 signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 report, told = int(sys.argv[1]), int(sys.argv[2])
-job = subprocess.Popen(sys.argv[3:], process_group=0)
-os.tcsetpgrp(0, job.pid)
+background = sys.argv[3] == "&"
+job = subprocess.Popen(sys.argv[4:] if background else sys.argv[3:], process_group=0)
+if not background:
+    os.tcsetpgrp(0, job.pid)
 while True:
     _, status = os.waitpid(job.pid, os.WUNTRACED)
     if not os.WIFSTOPPED(status):
@@ -462,6 +466,60 @@ def test_a_job_sent_to_the_background_with_bg_leaves_the_shell_its_terminal_when
         if shell.poll() is None:
             shell.kill()
             shell.wait(10)
+        os.close(said)
+        os.close(tell)
+        os.close(master)
+
+
+def test_a_job_started_in_the_background_stops_when_cmd_reads_the_terminal_and_fg_gives_cmd_the_terminal(
+    gpubroker: list[str], broker_process: MakeBroker
+) -> None:
+    """`gpubroker lease -- CMD &` at an interactive shell: CMD reading the terminal stopped CMD alone, where neither
+    the shell (the job ran on, it said) nor `fg` (it continued `gpubroker lease` only) could reach it."""
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    master, slave = os.openpty()
+    said, to_shell = os.pipe()
+    shell_reads, tell = os.pipe()
+
+    def session() -> None:
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--", "sh", "-c", "read x; echo got $x"]
+    shell = subprocess.Popen(
+        [sys.executable, "-c", MINI_SHELL, str(to_shell), str(shell_reads), "&", *argv], env=broker.env, stdin=slave,
+        stdout=slave, stderr=slave, pass_fds=(to_shell, shell_reads), preexec_fn=session,
+    )  # fmt: skip
+    os.close(slave)
+    os.close(to_shell)
+    os.close(shell_reads)
+    groups: list[int] = []  # the job's and CMD's, killed at the end should the test fail: the shell's end reaches neither
+    try:
+        wait_for(lambda: [lease for lease in client.call("GET", "/v1/leases")["leases"] if lease.get("process_groups")], timeout=20.0)
+        [lease] = client.call("GET", "/v1/leases")["leases"]
+        holder, [cmd] = lease["holder"]["pid"], lease["process_groups"]
+        groups += [holder, cmd]
+
+        assert said_within(said) == f"stopped {holder}\n"  # CMD read the terminal: the job stopped, as the shell sees it
+        assert os.tcgetpgrp(master) == shell.pid  # and the terminal was never taken from the shell
+
+        os.write(tell, b"fg\n")
+        wait_for(lambda: os.tcgetpgrp(master) == cmd, timeout=5.0)  # CMD has it, and reads what is typed
+        os.write(master, b"hi\n")
+        output = b""
+        while b"got hi" not in output:
+            assert select.select([master], [], [], 10)[0], output
+            output += os.read(master, 1000)
+        assert said_within(said) == "exit 0\n"
+        assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "released"
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+            shell.wait(10)
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
         os.close(said)
         os.close(tell)
         os.close(master)
