@@ -407,6 +407,8 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     if -code in (signal.SIGINT, signal.SIGQUIT):
         # Ctrl-C (or Ctrl-\) ended CMD: end the same way, so the shell or script that ran `gpubroker lease` stops too.
         signal.signal(-code, signal.SIG_DFL)
+        if -code == signal.SIGQUIT:  # whose default action dumps core: this process did not fail, and leaves no core
+            ctypes.CDLL(None, use_errno=True).prctl(4, 0)  # PR_SET_DUMPABLE: unlike RLIMIT_CORE, it holds for a piped core_pattern
         os.kill(os.getpid(), -code)
     return code if code >= 0 else 128 - code
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -258,6 +259,29 @@ def test_cmd_ended_by_ctrl_c_ends_gpubroker_lease_by_sigint_so_a_calling_loop_st
 
     assert holder.wait(30) == -signal.SIGINT, lease_log(tmp_path)  # as a shell sees a command Ctrl-C ended
     assert broker.client().call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []  # released first
+
+
+def test_cmd_ended_by_ctrl_backslash_ends_gpubroker_lease_by_sigquit_without_a_core_dump_of_its_own(
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+) -> None:
+    """gpubroker did not fail: a core of its own (24 MB, in the directory it ran in) and "Quit (core dumped)" said it had."""
+    broker = start_broker(gpubroker, broker_process)
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    if hard == 0:
+        pytest.skip("core dumps are off for this user: nothing would be dumped either way")
+
+    def cores_on() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+
+    holder = subprocess.Popen(
+        [*gpubroker, "lease", "--cpu-cores", "1", "--", "sh", "-c", "ulimit -c 0; kill -QUIT $$"],
+        env=broker.env, cwd=tmp_path, stdin=subprocess.DEVNULL, preexec_fn=cores_on,
+    )  # fmt: skip
+    _, status = os.waitpid(holder.pid, 0)
+    holder.returncode = os.waitstatus_to_exitcode(status)
+
+    assert holder.returncode == -signal.SIGQUIT  # as a shell sees a command Ctrl-\ ended
+    assert not os.WCOREDUMP(status)
 
 
 def test_ctrl_c_while_waiting_in_the_queue_cancels_the_request_and_ends_gpubroker_lease_by_sigint(
