@@ -1132,6 +1132,9 @@ class Broker:
             raise gone
         lease = self._live(lease_id)
         self.authorize(lease, caller, token)
+        if caller.transport == "unix" and caller.pid is not None and caller.pid == lease.holder.pid:
+            # `gpubroker lease` once CMD has ended: told apart from its user (or root) releasing it from elsewhere.
+            who = f"its holder (pid {caller.pid})"
         # Durable first: the lease keeps its room until its end is on disk, so a release the store
         # refuses (STORE_FULL) leaves the lease as it was, and nothing was granted in its room meanwhile.
         # What follows the disk's answer runs even when the caller goes away while it syncs.
