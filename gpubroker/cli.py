@@ -905,6 +905,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(_join_signed(sys.argv[1:] if argv is None else argv))
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
         args.command = args.command[1:]
+        if not args.command:  # `-- $CMD` with CMD empty: a lease bound to nothing would be printed, as if the work had run
+            print("gpubroker lease: error: -- is to be followed by CMD [ARGS]", file=sys.stderr)
+            return 2
     try:
         with _escaped_output():
             code: int = args.run(args)

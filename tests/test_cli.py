@@ -182,6 +182,21 @@ def test_gpubroker_without_a_command_or_with_a_mistyped_one_names_the_commands(c
         assert "usage: gpubroker [-h] [--version] COMMAND ..." in err
 
 
+def test_lease_with_nothing_after_its_double_dash_asks_for_cmd_and_takes_no_lease(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpubroker lease --gpu-memory 8GiB -- $CMD` with CMD empty took a lease bound to nothing, printed it and
+    exited 0: the script went on as if its work had run, and the memory stayed held for the lease's TTL."""
+
+    class Broker:
+        def __init__(self, timeout: float | None = None) -> None:
+            raise AssertionError("no broker is to be asked")
+
+    monkeypatch.setattr(cli, "Client", Broker)
+    assert cli.main(["lease", "--cpu-cores", "1", "--"]) == 2
+    assert capsys.readouterr().err == "gpubroker lease: error: -- is to be followed by CMD [ARGS]\n"
+
+
 def test_a_printed_lease_that_cannot_be_written_is_released_and_said_once(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
