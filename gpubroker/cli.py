@@ -383,14 +383,20 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
 
     def renew() -> None:
         ttl = float(lease["ttl"])
+        failed = False  # the last renewal failed, and was said to have: the next that works says so too
         while not done.wait(ttl / 3):
             try:
-                client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token)
+                renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token)["lease"]
             except ClientError as error:
                 print(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}", file=sys.stderr)
                 if error.status in (404, 409):  # the lease has ended: so does CMD, even if the broker could not see to it
                     _stop_group(child.pid, done)
                     return
+                failed = True
+                continue
+            if failed:
+                print(f"gpubroker: lease {lease['id']} renewed again: it expires {renewed['expires_at']}", file=sys.stderr)
+                failed = False
 
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import resource
 import select
 import signal
@@ -235,6 +236,25 @@ def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease
     assert f"gpubroker: lease {lease['id']} was released before CMD ended: released by uid {os.getuid()}" in said, said
     later = client.call("GET", "/v1/events", query={"after": events_before, "limit": 1000})["events"]
     assert [e["type"] for e in later if e["type"] == "request.refused"] == []  # no DELETE of an ended lease was sent
+
+
+def test_renewals_that_resume_after_the_broker_restarts_say_so(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """A failed renewal is said ("start one with `gpubroker up`"): without a word when renewals work again, the user
+    of a long job could only guess whether its lease was lost."""
+    broker = start_broker(gpubroker, broker_process)
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "30s", "--", "sleep", "600"], broker.env)
+    wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    broker.stop()
+    wait_for(lambda: "could not be renewed" in lease_log(tmp_path), timeout=30.0)
+    broker.start()
+
+    wait_for(lambda: "renewed again" in lease_log(tmp_path), timeout=30.0)
+    lease = granted_to(broker.client(), holder.pid)
+    assert lease is not None
+    assert re.search(rf"^gpubroker: lease {lease['id']} renewed again: it expires \S+Z$", lease_log(tmp_path), re.MULTILINE)
+    assert holder.poll() is None  # CMD goes on
 
 
 def test_cmd_starts_when_the_caller_passed_on_open_descriptors_past_9(gpubroker: list[str], broker_process: MakeBroker) -> None:
