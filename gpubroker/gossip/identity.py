@@ -29,7 +29,6 @@ NODE_ID_CHARS = 16  # base32 characters: 80 bits of the key's hash
 PUBLIC_KEY_SIZE = 32
 SIGNATURE_SIZE = 64
 CERT_VALIDITY = dt.timedelta(days=3650)
-RENEW_BEFORE = dt.timedelta(days=30)  # a certificate this close to its end is renewed on the next start
 BACKDATE = dt.timedelta(days=1)  # peers' clocks may lag ours; a certificate "not yet valid" would be refused
 UI_CERT_VALIDITY = dt.timedelta(days=397)  # Apple's and Chrome's ceiling for a server certificate
 
@@ -142,7 +141,7 @@ class Identity:
 
     @property
     def cert_path(self) -> Path:
-        """The certificate's PEM file, renewed first if it needs to be."""
+        """The certificate's PEM file, made first if there is none."""
         self.certificate()
         return self._stored() / CERT_FILE
 
@@ -170,11 +169,16 @@ class Identity:
         return self._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
     def certificate(self, now: dt.datetime | None = None) -> x509.Certificate:
-        """The self-signed certificate carrying this key (CN = node id), made anew when missing, foreign or near its end."""
+        """The self-signed certificate carrying this key (CN = node id), made anew only when missing or foreign.
+
+        Never renewed for its dates: members trust it because this very certificate is pinned in their member lists,
+        whatever its dates say (transport.NO_CHECK_TIME), and a new one would be refused by every one of them. A node
+        whose first start came before its clock was set (1970, a board without a real-time clock) would otherwise
+        renew it once the clock is right, and be cut off from its cluster for good."""
         at = _now(now)
         if self._cert is None and self._directory is not None:
             self._cert = self._load_certificate(self._directory / CERT_FILE)
-        if self._cert is None or not self._usable(self._cert, at):
+        if self._cert is None or not self._carries_this_key(self._cert):
             self._cert = self._make_certificate(at)
             if self._directory is not None:
                 write_private(self._directory / CERT_FILE, self._cert.public_bytes(serialization.Encoding.PEM))
@@ -197,16 +201,12 @@ class Identity:
         except (OSError, ValueError):
             return None  # missing or damaged: a new one is made from the key, which is what matters
 
-    def _usable(self, cert: x509.Certificate, at: dt.datetime) -> bool:
+    def _carries_this_key(self, cert: x509.Certificate) -> bool:
         key = cert.public_key()
-        ours = (
+        return (
             isinstance(key, Ed25519PublicKey)
             and key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw) == self.public_key_bytes
         )
-        # Not made again for being "not yet valid": a certificate made while this clock ran fast, or read while it runs
-        # slow (a box without a real-time clock, before NTP), is still this node's, and a new one is not the one its
-        # members pinned: it would be refused by every one of them, for good.
-        return ours and at < cert.not_valid_after_utc - RENEW_BEFORE
 
     def _make_certificate(self, at: dt.datetime) -> x509.Certificate:
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.node_id)])

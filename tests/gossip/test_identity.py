@@ -94,15 +94,14 @@ def test_the_certificate_is_kept_across_reloads_while_valid(tmp_path: Path) -> N
     assert Identity.load_or_create(tmp_path).certificate(NOW + dt.timedelta(days=365)) == first
 
 
-def test_an_expired_certificate_is_renewed_with_the_same_key_and_id(tmp_path: Path) -> None:
+def test_a_certificate_past_its_end_is_kept_as_its_members_pinned_it(tmp_path: Path) -> None:
+    """Made on a board whose clock still read 1970, it ends in 1980: once NTP sets the clock, a renewed one would be
+    refused by every member, which trusts the very certificate it pinned, whatever its dates."""
     identity = Identity.load_or_create(tmp_path)
-    old = identity.certificate(NOW)
-    later = NOW + CERT_VALIDITY + dt.timedelta(days=1)
-    renewed = Identity.load_or_create(tmp_path).certificate(later)
-    assert renewed != old
-    assert renewed.not_valid_after_utc > later
-    assert node_id_of_certificate(renewed.public_bytes(serialization.Encoding.DER)) == identity.node_id
-    assert x509.load_pem_x509_certificate((tmp_path / "identity" / CERT_FILE).read_bytes()) == renewed
+    made_in_1970 = identity.certificate(dt.datetime(1970, 1, 1, 0, 1, tzinfo=dt.UTC))
+    assert made_in_1970.not_valid_after_utc < NOW
+    assert Identity.load_or_create(tmp_path).certificate(NOW) == made_in_1970
+    assert x509.load_pem_x509_certificate((tmp_path / "identity" / CERT_FILE).read_bytes()) == made_in_1970
 
 
 def test_a_missing_or_damaged_certificate_is_made_again_with_the_same_id(tmp_path: Path) -> None:
@@ -191,12 +190,14 @@ def test_a_non_ed25519_or_malformed_certificate_proves_no_node_id() -> None:
         public_key_of(b"\x30\x03garbage")
 
 
-def test_the_fingerprint_is_the_sha256_of_the_der_and_changes_with_the_certificate(tmp_path: Path) -> None:
+def test_the_fingerprint_is_the_sha256_of_the_der_and_changes_only_with_the_certificate(tmp_path: Path) -> None:
     identity = Identity.load_or_create(tmp_path)
     before = identity.fingerprint(NOW)
     assert before == fingerprint(identity.certificate_der(NOW))
     assert len(before) == 64
-    assert identity.fingerprint(NOW + CERT_VALIDITY) != before  # renewed: a join token pins the current one
+    assert identity.fingerprint(NOW + CERT_VALIDITY) == before  # never renewed: a join token pins it
+    (tmp_path / "identity" / CERT_FILE).unlink()
+    assert Identity.load_or_create(tmp_path).fingerprint(NOW) != before  # made again
 
 
 def test_an_in_memory_identity_has_a_certificate_but_no_files() -> None:
