@@ -130,12 +130,26 @@ class Budget:
         }
 
 
-def belongs_to(process: GpuProcess, lease: Lease) -> bool:
-    """A lease's processes: its holder, the holder's descendants, and its registered process groups."""
+def nearness(process: GpuProcess, lease: Lease) -> tuple[int, int] | None:
+    """How near a lease is to a process it owns, the nearest first; None when the lease does not own it. A lease's
+    processes are its holder, the holder's descendants, and its registered process groups.
+
+    A process may be owned by several leases: leases nest (a `gpubroker lease -- CMD` inside another's CMD, a
+    program that takes a lease of its own from inside leased work), and then every enclosing lease's holder is
+    an ancestor. Its memory is the nearest one's: by the place in the process's line (itself, its parent, ...)
+    of the lease's holder or of the leader of a group registered with it. At one place a group comes before a
+    holder: a shell that ran work in the background and then exec'd the inner `gpubroker lease` is both that
+    work's group leader, for the outer lease, and the inner lease's holder. A group whose leader is gone, or
+    not in the line, comes after every holder in it."""
+    line = (process.pid, *process.ancestors)
+    near: tuple[int, int] | None = None
     pid = lease.holder.pid
-    if pid is not None and (process.pid == pid or pid in process.ancestors):
-        return True
-    return process.pgid is not None and process.pgid in lease.pgids
+    if pid is not None and pid in line:
+        near = (line.index(pid), 1)
+    if process.pgid is not None and process.pgid in lease.pgids:
+        group = (line.index(process.pgid) if process.pgid in line else len(line), 0)
+        near = group if near is None else min(near, group)
+    return near
 
 
 def leases_by_gpu(leases: Iterable[Lease]) -> dict[str, GpuLeases]:
@@ -149,6 +163,17 @@ def leases_by_gpu(leases: Iterable[Lease]) -> dict[str, GpuLeases]:
     return by_uuid
 
 
+def _owner(process: GpuProcess, held: GpuLeases) -> tuple[Lease, int] | None:
+    """The live lease here that owns a process: the nearest of those that do (see `nearness`)."""
+    best: tuple[Lease, int] | None = None
+    best_near: tuple[int, int] | None = None
+    for entry in held.held.values():
+        near = nearness(process, entry[0])
+        if near is not None and (best_near is None or near < best_near):
+            best, best_near = entry, near
+    return best
+
+
 def compute_budgets(readings: Iterable[GpuReading], by_uuid: dict[str, GpuLeases], reserve: int) -> list[Budget]:
     return [compute_budget(reading, by_uuid.get(reading.uuid) or GpuLeases(), reserve) for reading in readings]
 
@@ -159,7 +184,7 @@ def compute_budget(reading: GpuReading, held: GpuLeases, reserve: int) -> Budget
     excess = 0  # what leases' processes use beyond what they declared: a lease counts what it uses
     attributed: list[AttributedProcess] = []
     for process in reading.processes or ():
-        owner = next((entry for entry in held.held.values() if belongs_to(process, entry[0])), None)
+        owner = _owner(process, held)
         attributed.append(AttributedProcess(process, owner[0].id if owner else None))
         if owner is not None and process.bytes:
             usage[owner[0].id] = usage.get(owner[0].id, 0) + process.bytes

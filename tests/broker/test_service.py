@@ -970,6 +970,44 @@ async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_
     assert over[0]["details"] == {"declared": 10 * GIB, "observed": 12 * GIB}
 
 
+async def test_a_lease_taken_inside_another_leases_work_owns_its_own_processes_memory(make_node: Callable[..., Any]) -> None:
+    """Nested leases (`gpubroker lease -- CMD` inside another's CMD): each process is its nearest lease's, never the
+    outer lease's too. The outer lease used to take every process below its holder: 8 GiB used within the 8 declared
+    was 12 leased, 4 GiB counted twice, and the outer lease said over-declared."""
+    node = await make_node()
+    outer, _ = await node.ask(gpu_memory="4GiB", holder={"name": "outer", "pid": 100})
+    inner, _ = await node.ask(gpu_memory="4GiB", holder={"name": "inner", "pid": 102})
+    # outer's CLI 100 runs the shell 101 (its CMD, group 101), which runs 104 in the background and the inner CLI
+    # 102, whose CMD 103 has a group of its own; 105 is a child of 103 that left for a group of its own.
+    node.broker.leases[outer["id"]].pgids.append(101)
+    node.broker.leases[inner["id"]].pgids.append(103)
+    node.probe.processes[0] = [
+        GpuProcess(104, "outer-work", 2 * GIB, pgid=101, ancestors=(101, 100, 1)),
+        GpuProcess(103, "inner-work", 3 * GIB, pgid=103, ancestors=(102, 101, 100, 1)),
+        GpuProcess(105, "inner-child", GIB, pgid=105, ancestors=(103, 102, 101, 100, 1)),
+    ]
+    await node.sample()
+    await settle()
+    gpu = node.gpu()
+    assert {p["pid"]: p["lease"] for p in gpu["processes"]} == {104: outer["id"], 103: inner["id"], 105: inner["id"]}
+    assert [(lease["id"], lease["used"]) for lease in gpu["leases"]] == [(outer["id"], 2 * GIB), (inner["id"], 4 * GIB)]
+    assert (gpu["figures"]["external"], gpu["figures"]["leased"]) == (0, 8 * GIB)
+    assert await node.events("lease.over_declared") == []
+    # The shell exec'd the inner CLI: 102 is both the outer CMD's group leader and the inner lease's holder. Work it
+    # ran in the background before is in the outer group; the inner CMD is in its own.
+    node.broker.leases[outer["id"]].pgids[:] = [102]
+    node.probe.processes[0] = [
+        GpuProcess(104, "outer-work", 4 * GIB, pgid=102, ancestors=(102, 100, 1)),
+        GpuProcess(103, "inner-work", 4 * GIB, pgid=103, ancestors=(102, 100, 1)),
+    ]
+    await node.sample()
+    await settle()
+    gpu = node.gpu()
+    assert {p["pid"]: p["lease"] for p in gpu["processes"]} == {104: outer["id"], 103: inner["id"]}
+    assert (gpu["figures"]["external"], gpu["figures"]["leased"]) == (0, 8 * GIB)
+    assert await node.events("lease.over_declared") == []
+
+
 async def test_a_lease_using_more_than_it_declared_is_not_external_pressure(make_node: Callable[..., Any]) -> None:
     """EXTERNAL_GPU_PRESSURE is external usage growing into leased or reserved memory (SPEC §3.6): a lease's own
     processes overusing its room leave no room, and the refusal names that lease, not outside usage."""
