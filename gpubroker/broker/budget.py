@@ -144,7 +144,7 @@ def nearness(process: GpuProcess, lease: Lease) -> tuple[int, int] | None:
     line = (process.pid, *process.ancestors)
     near: tuple[int, int] | None = None
     pid = lease.holder.pid
-    if pid is not None and pid in line:
+    if pid is not None and pid in line and process.same_as(line.index(pid), lease.holder.start_time):
         near = (line.index(pid), 1)
     if process.pgid is not None and process.pgid in lease.pgids:
         group = (line.index(process.pgid) if process.pgid in line else len(line), 0)

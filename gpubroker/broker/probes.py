@@ -55,6 +55,14 @@ class GpuProcess:
     bytes: int | None  # None: the driver lists the process but not its memory
     pgid: int | None = None  # None: not a process on this machine (a simulated one)
     ancestors: tuple[int, ...] = ()  # parent, grandparent, ... up to init
+    # When the process and each of its ancestors started, in that order; empty when not known. A pid is reused once
+    # its process is gone: with its start time, a later process is not taken for a lease's holder or its work.
+    started: tuple[float, ...] = ()
+
+    def same_as(self, place: int, started: float | None) -> bool:
+        """Whether the process at `place` in its line (0 itself, 1 its parent, ...) is the one that started at
+        `started`; when either time is not known, the pid alone says so."""
+        return started is None or place >= len(self.started) or abs(self.started[place] - started) < 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,16 +95,19 @@ class GpuProbe(Protocol):
         """Let the driver go (NVML's shutdown); the broker calls it once it stops sampling."""
 
 
-def describe_process(pid: int) -> tuple[str, int | None, tuple[int, ...]]:
-    """Name, process group and ancestor pids of a local process; empty when it is gone."""
+def describe_process(pid: int) -> tuple[str, int | None, tuple[int, ...], tuple[float, ...]]:
+    """Name, process group, ancestor pids, and start times of it and its ancestors, of a local process; empty
+    when it is gone."""
     try:
         process = psutil.Process(pid)
         name = printable_text(process.name())  # a process may name itself with any bytes
         pgid = os.getpgid(pid)
-        ancestors = tuple(parent.pid for parent in process.parents())
+        parents = process.parents()
+        ancestors = tuple(parent.pid for parent in parents)
+        started = tuple(one.create_time() for one in (process, *parents))  # psutil read these with each Process
     except (psutil.Error, ProcessLookupError, PermissionError):
-        return "", None, ()
-    return name, pgid, ancestors
+        return "", None, (), ()
+    return name, pgid, ancestors, started
 
 
 _SPEC_PART = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\S+)\s*$", re.IGNORECASE)
@@ -211,8 +222,8 @@ class SimulatedProbe:
 def _simulated_process(process: _SimProcess) -> GpuProcess:
     """A process of the simulation file; one that runs here is described as NVML's are, so a lease's
     descendants and process groups own it as they would on a real GPU."""
-    _, pgid, ancestors = describe_process(process.pid)
-    return GpuProcess(process.pid, process.name, process.used, pgid, ancestors)
+    _, pgid, ancestors, started = describe_process(process.pid)
+    return GpuProcess(process.pid, process.name, process.used, pgid, ancestors, started)
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,6 +115,7 @@ class _Reclaim:
     lease: str
     uuid: str
     pids: frozenset[int]
+    started: dict[int, float]  # the start times of those known: a process that reuses one of the pids is not left over
     released_at: float  # on the elapsed clock: reclaim_grace is elapsed time, whatever NTP does to the wall clock
     reported: bool = False
 
@@ -479,7 +480,11 @@ class Broker:
             for reclaim in [r for r in self._reclaims if r.uuid == gpu]:
                 # Memory a live lease's processes use is that lease's, not left over: a worker that keeps its memory
                 # from one lease to the next must not pile up a reclaim per lease, each reported as not reclaimed.
-                held = sum(p.process.bytes or 0 for p in budget.processes if p.process.pid in reclaim.pids and p.lease is None)
+                held = sum(
+                    p.process.bytes or 0
+                    for p in budget.processes
+                    if p.process.pid in reclaim.pids and p.lease is None and p.process.same_as(0, reclaim.started.get(p.process.pid))
+                )
                 if not held:
                     self._reclaims.remove(reclaim)
                 elif not reclaim.reported and now - reclaim.released_at >= self.config.reclaim_grace:
@@ -693,7 +698,7 @@ class Broker:
                 )
             holder.pid = request.holder_pid
         bind = request.bind or ("caller" if caller.transport == "unix" else "none")
-        if holder.pid is not None and bind == "caller":
+        if holder.pid is not None:  # bound to it or not, its memory is the lease's: a later process with its pid is not
             holder.start_time = holders.start_time(holder.pid)
         if bind == "caller" and (holder.pid is None or holder.start_time is None):
             raise InvalidRequest(
@@ -1214,13 +1219,15 @@ class Broker:
             for gpu in lease.gpus:
                 budget = budgets.get(gpu.uuid)
                 if budget is not None and budget.usage.get(lease.id):
-                    pids = frozenset(p.process.pid for p in budget.processes if p.lease == lease.id and p.process.bytes)
+                    mine = [p.process for p in budget.processes if p.lease == lease.id and p.process.bytes]
+                    pids = frozenset(p.pid for p in mine)
                     # An earlier release's reclaim of these processes is this one's now: their memory was a later lease's.
                     for earlier in [r for r in self._reclaims if r.uuid == gpu.uuid and r.pids & pids]:
                         earlier.pids -= pids
                         if not earlier.pids:
                             self._reclaims.remove(earlier)
-                    self._reclaims.append(_Reclaim(lease.id, gpu.uuid, pids, self.clock.elapsed()))
+                    started = {p.pid: p.started[0] for p in mine if p.started}
+                    self._reclaims.append(_Reclaim(lease.id, gpu.uuid, pids, started, self.clock.elapsed()))
         self._unhold(lease)
         self.over_declared_ids.discard(lease.id)
         if self._watch is not None:

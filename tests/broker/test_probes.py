@@ -6,6 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpubroker.broker.probes import GpusUnreadable, ProbeError, SimulatedProbe, UnreadableGpu
@@ -25,7 +26,10 @@ def test_a_simulated_process_that_runs_here_is_described_as_nvml_describes_one(t
         running, elsewhere = SimulatedProbe(str(sim)).sample()[0].processes or ()
         assert (running.name, running.bytes, running.pgid) == ("trainer", 4 * GIB, work.pid)
         assert os.getpid() in running.ancestors  # so a lease whose holder started it owns its memory
-        assert (elsewhere.name, elsewhere.pgid, elsewhere.ancestors) == ("ollama", None, ())
+        # with when it and each ancestor started, so a process that reuses the holder's pid is not taken for it
+        assert running.started[0] == psutil.Process(work.pid).create_time()
+        assert running.started[1 + running.ancestors.index(os.getpid())] == psutil.Process().create_time()
+        assert (elsewhere.name, elsewhere.pgid, elsewhere.ancestors, elsewhere.started) == ("ollama", None, (), ())
     finally:
         work.kill()
         work.wait()

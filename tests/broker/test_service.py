@@ -957,6 +957,43 @@ async def test_a_worker_keeping_its_memory_from_lease_to_lease_leaves_one_reclai
     assert node.gpu()["processes"][0]["lease"] == again["id"]
 
 
+async def test_a_process_that_reuses_a_lease_holders_pid_is_not_taken_for_its_work(make_node: Callable[..., Any]) -> None:
+    """A pid is reused once its process is gone. A lease by `holder.pid` over TCP lives by its TTL after its holder
+    exits, and a later process with that pid (and its children) was counted as the lease's work, not as external;
+    after a release, one was reported as the lease's memory not reclaimed."""
+    node = await make_node()
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        started = holders.start_time(holder.pid)
+        assert started is not None
+        lease, token = await node.ask(gpu_memory="4GiB", holder={"name": "trainer", "pid": holder.pid})
+        mine = GpuProcess(holder.pid, "python", 3 * GIB, started=(started,))
+        node.probe.processes[0] = [mine]
+        await node.sample()
+        assert node.gpu()["processes"][0]["lease"] == lease["id"]
+        later = started + 100  # the holder has exited, and another process has its pid
+        node.probe.processes[0] = [
+            GpuProcess(holder.pid, "ffmpeg", 2 * GIB, started=(later,)),
+            GpuProcess(holder.pid + 1, "ffmpeg-worker", GIB, ancestors=(holder.pid, 1), started=(later + 1, later, 0.0)),
+        ]
+        await node.sample()
+        gpu = node.gpu()
+        assert [p["lease"] for p in gpu["processes"]] == [None, None]
+        assert (gpu["figures"]["external"], gpu["figures"]["leased"]) == (3 * GIB, 4 * GIB)
+        node.probe.processes[0] = [mine]
+        await node.sample()
+        await node.broker.release(lease["id"], TCP, token)
+        node.probe.processes[0] = [GpuProcess(holder.pid, "ffmpeg", 2 * GIB, started=(later,))]  # its memory freed, the pid reused
+        node.clock.advance(11)
+        await node.sample()
+        await settle()
+        assert await node.events("gpu.memory_not_reclaimed") == []
+        assert node.broker._reclaims == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_use(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, _ = await node.ask(gpu_memory="10GiB", holder={"name": "greedy", "pid": 4243})
