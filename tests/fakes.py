@@ -41,6 +41,7 @@ class FakeGpuProbe:
     uuids: list[str] | None = None  # each GPU's UUID, by index; GPU-fake-<index> unless given
     unreadable: dict[int, str] = field(default_factory=dict)  # GPUs by index that the driver cannot read, and why
     closed: bool = False  # whether the broker let the probe go
+    unlisted: dict[int, int] = field(default_factory=dict)  # bytes in use by GPU index that no listed size accounts for
 
     def external(self, index: int, size: int, name: str = "ollama", pid: int = 900001) -> None:
         self.processes[index] = [p for p in self.processes.get(index, []) if p.pid != pid]
@@ -60,7 +61,7 @@ class FakeGpuProbe:
                 unreadable.append(UnreadableGpu(index, uuid, self.unreadable[index]))
                 continue
             listed = tuple(self.processes.get(index, []))
-            used = min(total, sum(p.bytes or 0 for p in listed))
+            used = min(total, sum(p.bytes or 0 for p in listed) + self.unlisted.get(index, 0))
             reading = GpuReading(index, uuid, "NVIDIA GeForce RTX 4090", total, used, self.clock.now(), listed)
             readings.append(reading if self.processes_listed else replace(reading, processes=None))
         if unreadable:

@@ -188,17 +188,27 @@ def compute_budget(reading: GpuReading, held: GpuLeases, reserve: int) -> Budget
         attributed.append(AttributedProcess(process, owner[0].id if owner else None))
         if owner is not None and process.bytes:
             usage[owner[0].id] = usage.get(owner[0].id, 0) + process.bytes
+    observed = reading.used
+    # A lease's process the driver lists without its size (some containers, WDDM): its memory is in `observed` but in
+    # no listed size. Taken as the lease's up to what the lease declared, of what no listed size accounts for, it is
+    # not also external: the lease counts its declared bytes anyway, so this frees no room that may be in use.
+    presumed = 0
+    unsized = dict.fromkeys(a.lease for a in attributed if a.lease is not None and a.process.bytes is None)
+    if unsized:
+        rest = observed - sum(a.process.bytes or 0 for a in attributed)
+        for lease_id in unsized:
+            take = max(0, min(rest - presumed, held.held[lease_id][1] - usage.get(lease_id, 0)))
+            presumed += take
     for lease_id, used in usage.items():
         excess += max(0, used - held.held[lease_id][1])
-    observed = reading.used
-    external = max(0, observed - sum(usage.values()))
+    external = max(0, observed - sum(usage.values()) - presumed)
     leased = held.declared + excess
     schedulable = max(0, reading.total - external - leased - reserve)
     unattributed: int | None
     if reading.processes is None:
         unattributed = external  # the driver lists no processes: nothing explains any of it
-    elif any(p.process.bytes is None for p in attributed if p.lease is None):
-        unattributed = None  # a listed process of unknown size: the remainder is unmeasured
+    elif any(p.process.bytes is None for p in attributed):
+        unattributed = None  # a listed process of unknown size, a lease's or not: the remainder is unmeasured
     else:
         listed = sum(p.process.bytes or 0 for p in attributed if p.lease is None)
         unattributed = max(0, external - listed)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from gpubroker.broker.probes import GpuProcess
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.broker.store import Store
@@ -37,6 +38,8 @@ class BrokerMachine(RuleBasedStateMachine):
         self.ended: set[str] = set()
         self.seen_ids: set[str] = set()
         self.top_epoch = 0
+        self.holders = 0
+        self.work: dict[str, tuple[int, int, int]] = {}  # lease id -> (GPU index, holder pid, what its process uses)
         self.broker = self._start()
 
     def _start(self) -> Broker:
@@ -62,7 +65,9 @@ class BrokerMachine(RuleBasedStateMachine):
 
     async def _ask(self, size: int, priority: str, pin: int | None, cores: int = 0) -> set[int]:
         """The accelerators the request was granted on (none if refused)."""
-        body: dict[str, Any] = {"gpu_memory": size, "priority": priority, "bind": "none", "ttl": 60}
+        self.holders += 1
+        holder = {"name": "work", "pid": 500000 + self.holders}
+        body: dict[str, Any] = {"gpu_memory": size, "priority": priority, "bind": "none", "ttl": 60, "holder": holder}
         if cores:
             body |= {"cpu_cores": cores, "memory": cores * 2**20}
         if pin is not None:
@@ -98,6 +103,43 @@ class BrokerMachine(RuleBasedStateMachine):
     def external_usage_changes(self, index: int, size: int) -> None:
         self.probe.external(index, size)
         self.loop.run_until_complete(self.broker.sample())
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), share=st.integers(0, 4), sized=st.booleans())
+    def a_leases_work_uses_memory(self, data: st.DataObject, share: int, sized: bool) -> None:
+        """A lease's holder uses up to what it declared, listed with its size or (some containers) without."""
+        lease = self.broker.leases[data.draw(st.sampled_from(list(self.live)))]
+        if not lease.gpus or lease.holder.pid is None:
+            return
+        gpu = lease.gpus[0]
+        used = gpu.bytes * share // 4
+        for index, processes in self.probe.processes.items():
+            processes[:] = [p for p in processes if p.pid != lease.holder.pid]
+            self.probe.unlisted[index] = sum(u for i, pid, u in self._unsized() if i == index and pid != lease.holder.pid)
+        self.probe.processes.setdefault(gpu.index, []).append(GpuProcess(lease.holder.pid, "work", used if sized else None))
+        if not sized:
+            self.probe.unlisted[gpu.index] = self.probe.unlisted.get(gpu.index, 0) + used
+        self.work[lease.id] = (gpu.index, lease.holder.pid, 0 if sized else used)
+        self.loop.run_until_complete(self.broker.sample())
+
+    def _unsized(self) -> list[tuple[int, int, int]]:
+        return [work for lease_id, work in self.work.items() if lease_id in self.live]
+
+    @invariant()
+    def no_byte_is_counted_both_leased_and_external(self) -> None:
+        """Where every process's use fits its lease, external is exactly what the leases' work does not use."""
+        for budget in self.broker.budgets():
+            index = budget.reading.index
+            listed = self.probe.processes.get(index, [])
+            mine = {lease.holder.pid for lease in budget.leases}
+            if any(p.bytes is None for p in listed if p.pid not in mine):
+                continue  # an unsized process of a lease that ended: not known to be anyone's
+            leased_use = sum(p.bytes or 0 for p in listed if p.pid in mine)
+            leased_use += sum(used for i, pid, used in self._unsized() if i == index and pid in mine)
+            truth = sum(p.bytes or 0 for p in listed) + self.probe.unlisted.get(index, 0)
+            if truth > budget.reading.total:
+                continue  # the driver's figure is capped at the card's size: the parts cannot be told apart
+            assert budget.figures.external == truth - leased_use, f"GPU {index}: {budget.figures}"
 
     @rule(seconds=st.sampled_from([1, 30, 61]))
     def time_passes(self, seconds: int) -> None:

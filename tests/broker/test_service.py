@@ -1091,6 +1091,31 @@ async def test_a_process_list_the_driver_cannot_give_leaves_memory_unattributed(
     assert gpu["processes"] == []
 
 
+async def test_a_leases_process_whose_size_the_driver_does_not_give_is_not_external_too(make_node: Callable[..., Any]) -> None:
+    """Where NVML lists a process but not its memory (some containers, WDDM), a lease's process's memory was external
+    (unattributed) besides the lease's declared bytes: counted twice, on an 8 GiB card it was external pressure with
+    nothing on it but the lease's own work using what it declared. The lease is taken to use up to what it declared
+    of what no size accounts for; what is left over cannot be said to be unexplained, so it is not measured."""
+    node = await make_node([8 * GIB])
+    lease, _ = await node.ask(gpu_memory="4GiB", holder={"name": "trainer", "pid": 4242})
+    node.probe.processes[0] = [GpuProcess(4242, "python", None)]
+    node.probe.unlisted[0] = 4 * GIB
+    await node.sample()
+    await settle()
+    gpu = node.gpu()
+    assert gpu["processes"] == [{"pid": 4242, "name": "python", "bytes": None, "lease": lease["id"]}]
+    assert (gpu["figures"]["external"], gpu["figures"]["leased"], gpu["figures"]["schedulable"]) == (0, 4 * GIB, 3 * GIB)
+    assert gpu["unattributed"] is None
+    assert gpu["pressure"] is False
+    assert await node.events("gpu.pressure.started") == []
+    node.probe.unlisted[0] = 5 * GIB + GIB // 2  # more than it declared: what it uses past that is not known to be its
+    node.probe.external(0, GIB // 2, name="Xorg", pid=900002)
+    await node.sample()
+    gpu = node.gpu()
+    assert (gpu["figures"]["external"], gpu["figures"]["leased"], gpu["figures"]["schedulable"]) == (2 * GIB, 4 * GIB, GIB)
+    assert gpu["unattributed"] is None
+
+
 async def test_a_lease_bound_to_its_caller_ends_when_the_caller_dies(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
