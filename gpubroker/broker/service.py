@@ -64,6 +64,7 @@ class Caller:
     transport: str  # "unix", "tcp" or "peer" (a member forwarding a request)
     uid: int | None = None
     pid: int | None = None
+    start_time: float | None = None  # on the Unix socket, when the caller's process started: read once per connection
     # On loopback TCP, the uid the kernel lists as owning the caller's end (/proc/net/tcp): whom [[stamp]] user
     # applies to, so that a stamped user cannot leave its class by asking over TCP. It authorises nothing.
     tcp_uid: int | None = None
@@ -688,7 +689,7 @@ class Broker:
         now = self.clock.now()
         holder = Holder(name=request.holder_name)
         if caller.transport == "unix" and caller.pid is not None:
-            holder.pid, holder.uid = caller.pid, caller.uid
+            holder.pid, holder.uid, holder.start_time = caller.pid, caller.uid, caller.start_time
         elif request.holder_pid is not None:
             if request.holder_pid in self._lineage:
                 raise InvalidRequest(
@@ -698,7 +699,9 @@ class Broker:
                 )
             holder.pid = request.holder_pid
         bind = request.bind or ("caller" if caller.transport == "unix" else "none")
-        if holder.pid is not None:  # bound to it or not, its memory is the lease's: a later process with its pid is not
+        # Bound to it or not, the holder's memory is the lease's: its start time keeps a later process with its pid from
+        # being taken for it. A Unix caller's was read with its connection, not on every request.
+        if holder.pid is not None and holder.start_time is None:
             holder.start_time = holders.start_time(holder.pid)
         if bind == "caller" and (holder.pid is None or holder.start_time is None):
             raise InvalidRequest(

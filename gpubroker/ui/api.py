@@ -18,6 +18,7 @@ from aiohttp import HttpVersion11, web, web_protocol, web_urldispatcher
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from gpubroker.broker import holders
 from gpubroker.broker.lease import ENDED, LIVE, Lease
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import API_TOKEN, OWN_USER_ON_SOCKET, ROOT_ON_SOCKET, WEB_UI, Broker, Caller
@@ -320,7 +321,8 @@ _TCP = Caller("tcp")
 
 
 def _caller(request: web.Request) -> Caller:
-    """On the Unix socket the kernel names the caller (SO_PEERCRED, read once per connection); on TCP nobody does."""
+    """On the Unix socket the kernel names the caller (SO_PEERCRED, read once per connection with when that process
+    started); on TCP nobody does."""
     if CALLER in request:
         return request[CALLER]
     transport = request.transport
@@ -330,7 +332,7 @@ def _caller(request: web.Request) -> Caller:
         caller = _TCP
         if sock is not None and sock.family == socket.AF_UNIX:
             pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            caller = Caller("unix", uid=uid, pid=pid or None)
+            caller = Caller("unix", uid=uid, pid=pid or None, start_time=holders.start_time(pid) if pid else None)
         if transport is not None:
             _BY_CONNECTION[transport] = caller
     request[CALLER] = caller
