@@ -25,7 +25,7 @@ from aiohttp import web
 
 from gpubroker.errors import FailureCode, NotFound
 from gpubroker.gossip.documents import external_by_name, listed_leases, listed_unreadable
-from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, cluster_view, read_form
+from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, STATES, cluster_view, read_form
 from gpubroker.ui.auth import CSRF_FIELD, SESSION_COOKIE, verify_password
 from gpubroker.ui.stream import EVENT_TYPES
 from gpubroker.units import rfc3339
@@ -94,6 +94,7 @@ GIB = 2**30
 FIGURES = ("total", "observed", "external", "resident", "leased", "reserve", "schedulable")
 EVENTS_SHOWN = 200  # newest first; older ones are in /v1/events
 EVENTS_SCANNED = 2000
+LEASES_SHOWN = 1000  # of this node's own: queued, then granted, then the most recently ended; the rest are in /v1/leases
 
 
 def e(value: object) -> str:
@@ -348,17 +349,33 @@ def node_region(request: web.Request) -> str:
     )
 
 
-def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
-    """One row per lease across the cluster (this node's own list, the others' documents), and each node's queue."""
+def lease_rows(
+    request: web.Request, state: str | None = None
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]], list[tuple[str, str]]]:
+    """One row per lease across the cluster (this node's own list, the others' documents), each node's queue, and
+    by node what is not listed (as HTML): a page that cuts leases must say so."""
     broker = request.app[BROKER]
     view = cluster_view(request.app)
     rows: list[dict[str, Any]] = []
     queues: dict[str, dict[str, int]] = {}
+    cut: list[tuple[str, str]] = []
     for node in view["nodes"]:
         name = node.get("name") or (node.get("document") or {}).get("name") or node["id"]
         if node.get("self"):
             queues[name] = dict(node.get("queue", {}))
-            for lease in broker.list_leases(None, 1000):
+            own = broker.list_leases(state, LEASES_SHOWN + 1)  # one more than shown: whether there are more
+            if len(own) > LEASES_SHOWN:
+                del own[LEASES_SHOWN:]
+                which = f" {e(state)}" if state else ""
+                cut.append(
+                    (
+                        name,
+                        f"{e(name)} has more than {LEASES_SHOWN}{which} leases: the first {LEASES_SHOWN} are shown"
+                        + ("" if state else " (queued, then granted, then the most recently ended)")
+                        + "; <code>gpubroker leases --limit N</code> on it (or <code>GET /v1/leases?limit=N</code>) lists more",
+                    )
+                )
+            for lease in own:
                 queued = lease["state"] == "queued"
                 rows.append(
                     {
@@ -395,7 +412,7 @@ def lease_rows(request: web.Request) -> tuple[list[dict[str, Any]], dict[str, di
                     "labels": listed_one["labels"],  # as many as its document lists (LABELS_ROOM)
                 }
             )
-    return rows, queues
+    return rows, queues, cut
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -409,11 +426,11 @@ def _labels(labels: dict[str, str]) -> str:
 def leases_region(request: web.Request) -> str:
     now = time.time()
     admin = is_admin(request)
-    rows, queues = lease_rows(request)
     state = request.query.get("state", "")
+    rows, queues, cut = lease_rows(request, state or None)
     node = request.query.get("node", "")
     shown = [r for r in rows if (not state or r["state"] == state) and (not node or r["node"] == node)]
-    states = sorted({r["state"] for r in rows} | {"granted", "queued"})
+    states = STATES  # the rows are of one state where one is asked for
     options = "".join(f'<option value="{e(s)}"{" selected" if s == state else ""}>{e(s)}</option>' for s in states)
     nodes = "".join(f'<option value="{e(n)}"{" selected" if n == node else ""}>{e(n)}</option>' for n in queues)
     form = (
@@ -452,6 +469,7 @@ def leases_region(request: web.Request) -> str:
         f"<h1>Leases</h1>{form}"
         + ("" if admin else SIGN_IN_TO_ACT)
         + table(headers, cells, "no leases")
+        + "".join(f'<p class="muted">{note}</p>' for of, note in cut if not node or of == node)
         + "<h2>Queue per class</h2>"
         + table(("node", *classes), queue_rows, "no queue")
     )

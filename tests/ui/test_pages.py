@@ -506,3 +506,25 @@ async def test_a_stream_on_the_unix_socket_whose_client_reads_nothing_ends_after
     finally:
         await runner.cleanup()
         await broker.close()
+
+
+async def test_the_leases_page_says_when_it_shows_only_some_of_this_nodes_leases_and_where_the_rest_are(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the most the page lists, the rest of the leases (the oldest ended first, then granted ones) went unshown
+    without a word."""
+    client, broker, _ = served
+    monkeypatch.setattr(pages, "LEASES_SHOWN", 5)
+    held = [await lease(client) for _ in range(4)]
+    for _ in range(3):
+        ended = await lease(client)
+        await client.delete(f"/v1/leases/{ended['id']}", headers={"X-Lease-Token": ended["token"]})
+    await broker.store.commit([])
+    region = await (await client.get("/fragment/leases")).text()
+    assert region.count('<span class="holder">') == 5
+    assert all(made["id"] in region for made in held)  # the live ones come first
+    assert "more than 5 leases: the first 5 are shown" in region
+    assert "gpubroker leases" in region
+    granted = await (await client.get("/fragment/leases?state=granted")).text()
+    assert granted.count('<span class="holder">') == 4  # filtered before it is cut: all there is, and no word of more
+    assert "more than 5" not in granted
