@@ -250,12 +250,15 @@ def cluster_region(request: web.Request) -> str:
     totals = dict.fromkeys(("total", "external", "resident", "leased", "reserve", "schedulable"), 0)
     cards = []
     gpu_count = 0
-    down = 0
+    down = stale = 0
     for node in view["nodes"]:
         gpus = node_gpus(node)
         if node.get("self") or node.get("state") in ("alive", "suspect"):
             gpu_count += len(gpus)
             for gpu in gpus:
+                if gpu.get("stale"):  # its node refuses it (SCHEDULER_STATE_STALE): its last figures are no room to offer
+                    stale += 1
+                    continue
                 for name in totals:
                     totals[name] += gpu["figures"].get(name, 0)
         else:
@@ -285,7 +288,7 @@ def cluster_region(request: web.Request) -> str:
     summary = " · ".join(f"{totals[k] / GIB:.1f} GiB {k}" for k in totals if k != "resident" or totals[k])
     return (
         f'<section class="totals"><h1>Cluster</h1><p>{plural(len(view["nodes"]), "node")}{f" ({down} down, not counted)" if down else ""}'
-        f" · {plural(gpu_count, 'GPU')} · {e(summary)}</p>{legend()}</section>"
+        f" · {plural(gpu_count, 'GPU')}{f' ({stale} stale, not counted)' if stale else ''} · {e(summary)}</p>{legend()}</section>"
         f'<div class="cards">{"".join(cards)}</div>'
     )
 

@@ -321,6 +321,20 @@ async def test_the_cluster_totals_leave_out_nodes_that_are_down(
     assert "2 nodes (1 down, not counted) · 1 GPU · 24.0 GiB total" in text
 
 
+async def test_the_cluster_totals_leave_out_the_room_of_a_gpu_whose_reading_is_stale(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale GPU's room cannot be granted (SCHEDULER_STATE_STALE): the totals offered it as schedulable."""
+    client, broker, _ = served
+    gpu = {"index": 0, "uuid": "GPU-far", "name": "far", "figures": {"total": 48 * GIB, "schedulable": 47 * GIB}, "stale": True}
+    text = await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": {"gpus": [gpu], "leases": []}})
+    assert "2 nodes · 2 GPUs (1 stale, not counted) · 24.0 GiB total" in text
+    assert "47.0 GiB schedulable" not in text.split('<div class="cards">')[0]
+    broker.clock.advance(broker.config.staleness + 1)  # type: ignore[attr-defined]  # this node's own GPU goes stale too
+    text = await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": {"gpus": [gpu], "leases": []}})
+    assert "2 nodes · 2 GPUs (2 stale, not counted) · 0.0 GiB total" in text
+
+
 async def test_a_peers_gpu_its_driver_cannot_read_is_shown_on_the_cluster_page_from_its_document(
     served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
 ) -> None:
