@@ -444,7 +444,7 @@ def leases_region(request: web.Request) -> str:
     cells = [
         [
             f'<span class="holder">{e(r["holder"] or "—")}</span>' + _labels(r["labels"]),
-            e(r["node"]),
+            f'<span class="node-name">{e(r["node"])}</span>',
             e(r["gpus"] or "—"),
             gib(r["bytes"]),
             e(r["priority"]),
@@ -452,7 +452,7 @@ def leases_region(request: web.Request) -> str:
             moment(r["since"], now) if r["since"] else "—",
             moment(r["expires"], now) if r["expires"] else "—",
             f'<span class="state state-{e(r["state"])}">{e(r["state"])}</span>',
-            f"<code>{e(r['id'])}</code>",
+            f'<code class="lease-id">{e(r["id"])}</code>',
             *(
                 [
                     action("DELETE", f"/v1/leases/{quote(str(r['id']), safe='')}", "release" if r["state"] == "granted" else "cancel")

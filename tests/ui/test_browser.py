@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser import PHONE, Tab, Timeout, chromium, screenshot, tab, unavailable
+from browser import PHONE, VIEWPORT, Tab, Timeout, chromium, screenshot, tab, unavailable
 from conftest import BrokerProcess, free_port, wait_for
 
 from gpubroker.gossip.cluster import decode_token
@@ -362,3 +362,29 @@ def test_eight_tabs_share_one_stream_and_every_page_fits_a_phone(cluster: dict[s
     dark = night.open("/").evaluate(background)
     assert light != dark, f"the page has the same background ({light}) in light and dark mode"
     screenshot(night.page, "cluster-dark.png")
+
+
+def test_long_names_and_many_labels_wrap_inside_the_page_on_a_screen_and_a_phone(broker_process: type[BrokerProcess], browser: Any) -> None:
+    """Names come from users: a holder of 256 characters, 32 labels and a 64-character node name, none with a space,
+    spread a card over its neighbours, made the Events page three screens wide, and squeezed every other column of
+    the Leases table into a sliver (its ids a few characters a line)."""
+    name = "n" * 64
+    lone = broker_process("2x24GiB", ["--name", name]).start()
+    labels = {f"key{number:02d}": "v" * 30 for number in range(32)}
+    lone.client().call("POST", "/v1/leases", {"gpu_memory": "1GiB", "holder": {"name": "h" * 256}, "labels": labels})
+    lone.client().call("POST", "/v1/leases", {"gpu_memory": "1GiB", "holder": {"name": "short"}})
+    for viewport in (VIEWPORT, PHONE):
+        reader = tab(browser, lone.url, viewport=viewport)
+        for path in ("/", "/node", "/leases", "/events", "/mesh"):
+            page = reader.open(path)
+            wide = page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth")
+            assert wide <= 1, f"{path} is {wide} px wider than a {viewport['width']} px window"
+            cards = page.evaluate("() => [...document.querySelectorAll('.card, .event')].map(c => c.scrollWidth - c.clientWidth)")
+            assert max(cards, default=0) <= 1, f"on {path} a name runs out of its card by {max(cards)} px"
+        if viewport is VIEWPORT:
+            leases = reader.open("/leases")
+            table = leases.evaluate("() => { const box = document.querySelector('.scroll'); return box.scrollWidth - box.clientWidth }")
+            assert table <= 1, f"the Leases table is {table} px wider than a {viewport['width']} px window"
+            lines = leases.evaluate("() => [...document.querySelectorAll('td code')].map(c => c.getClientRects().length)")
+            assert max(lines) == 1, "a lease id wraps: the other columns leave it no room"
+        assert not reader.errors, reader.errors
