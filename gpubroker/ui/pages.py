@@ -399,7 +399,17 @@ def lease_rows(
         document = node.get("document") or {}
         queues[name] = dict(document.get("queue", {}))
         mesh = request.app[MESH].mesh  # another node's times are read on this node's clock: the two may disagree
-        for listed_one in listed_leases(document, node["id"], mesh.shift_of(node["id"]) if mesh is not None else 0.0):
+        listed = listed_leases(document, node["id"], mesh.shift_of(node["id"]) if mesh is not None else 0.0)
+        more = document.get("leases_not_listed")
+        if isinstance(more, int) and more > 0:  # its document had no room for them (LEASES_ROOM): only its node knows them
+            cut.append(
+                (
+                    name,
+                    f"{e(name)} lists {len(listed)} of its {len(listed) + more} granted leases in its document; "
+                    f"<code>gpubroker leases</code> on {e(name)} (or <code>GET /v1/leases</code> there) lists them all",
+                )
+            )
+        for listed_one in listed:
             rows.append(
                 {
                     "id": listed_one["id"],

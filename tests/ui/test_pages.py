@@ -542,3 +542,30 @@ async def test_the_leases_page_says_when_it_shows_only_some_of_this_nodes_leases
     granted = await (await client.get("/fragment/leases?state=granted")).text()
     assert granted.count('<span class="holder">') == 4  # filtered before it is cut: all there is, and no word of more
     assert "more than 5" not in granted
+
+
+async def test_the_leases_page_says_how_many_leases_a_peers_document_does_not_list(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document lists as many leases as LEASES_ROOM holds and counts the rest: the page showed those it lists as all."""
+    client, broker, _ = served
+    now = broker.clock.now()
+    granted = {
+        "id": "l-far-1", "state": "granted", "holder": {"name": "far-job"}, "priority": "batch", "preemption": None,
+        "gpus": [{"index": 0, "uuid": "GPU-far", "bytes": GIB}], "granted_at": now, "expires_at": now + 60,
+    }  # fmt: skip
+    document = summarize(broker.node_json(), [granted])
+    view = {
+        "nodes": [
+            {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
+            {"id": "n-far", "name": "far", "self": False, "state": "alive", "age": 1.0, "document": {**document, "leases_not_listed": 40}},
+        ],
+        "coordinator": None,
+    }
+    monkeypatch.setattr(pages, "cluster_view", lambda app: view)
+    text = await (await client.get("/fragment/leases")).text()
+    assert "l-far-1" in text
+    assert "far lists 1 of its 41 granted leases in its document" in text
+    assert "gpubroker leases" in text
+    assert "far lists" not in await (await client.get("/fragment/leases?node=tower")).text()
+    assert "far lists" in await (await client.get("/fragment/leases?node=far")).text()
