@@ -258,14 +258,23 @@ _HOST = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::\d{1,
 
 
 def _check_host(request: web.Request) -> None:
-    """Against DNS rebinding (a TCP caller): the Host must be localhost, the listen address or an allowed host."""
-    host = request.headers.get("Host", "")
-    well_formed = _HOST.fullmatch(host)  # a name or [IPv6 address], then a numeric port if any
-    name = (well_formed.group("v6") or well_formed.group("name")) if well_formed else None
-    if name is None or name.lower() not in request.app[CONFIG_HOSTS]:
-        raise Forbidden(
-            f"Host {host!r} is not this broker's address; add it to allowed_hosts to reach the API by that name", {"host": host}
-        )
+    """Against DNS rebinding (a TCP caller): the Host must be localhost, the listen address or an allowed host, and so
+    must a target in absolute form (`GET http://HOST/...`), whose host is the request's whatever Host says (RFC 9112
+    §3.2.2): answered, a request for another site is served as an open proxy serves it."""
+    named = [("Host", request.headers.get("Host", ""))]
+    target = request.raw_path
+    if not target.startswith("/") and target != "*":  # absolute form (or the authority form of a CONNECT)
+        try:
+            named.append(("the request's target", urlsplit(target).netloc.rpartition("@")[2] or target))
+        except ValueError:  # `http://[::1/`
+            named.append(("the request's target", target))
+    for where, host in named:
+        well_formed = _HOST.fullmatch(host)  # a name or [IPv6 address], then a numeric port if any
+        name = (well_formed.group("v6") or well_formed.group("name")) if well_formed else None
+        if name is None or name.lower() not in request.app[CONFIG_HOSTS]:
+            raise Forbidden(
+                f"{where} {host!r} is not this broker's address; add it to allowed_hosts to reach the API by that name", {"host": host}
+            )
 
 
 def _check_origin(request: web.Request) -> None:

@@ -172,6 +172,28 @@ async def test_a_foreign_host_or_origin_gets_403_forbidden_signed_in_or_not(guar
     assert same.status == 201
 
 
+async def test_a_request_whose_target_names_a_foreign_host_gets_403_whatever_its_host_header_says(
+    guarded: tuple[TestClient[Any, Any], Broker],
+) -> None:
+    """In absolute form (`GET http://evil.example/v1/node`) the target's host is the request's host, not Host's
+    (RFC 9112 §3.2.2), as aiohttp reads it too: the broker answered such a request for another site as if for itself,
+    the way an open proxy does."""
+    client, _ = guarded
+    own = f"{client.host}:{client.port}"
+
+    def ask(target: str, host: str = own) -> int:
+        with socket.create_connection((client.host, client.port), timeout=5) as sock:
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n".encode())
+            return int(sock.recv(65536).split(b" ")[1])
+
+    for foreign in ("http://evil.example/v1/node", f"http://evil.example:{client.port}/v1/node", f"http://{own}@evil.example/v1/node"):
+        assert await asyncio.to_thread(ask, foreign) == 403, foreign
+    assert await asyncio.to_thread(ask, f"http://{own}/v1/node") == 200
+    assert await asyncio.to_thread(ask, "http://localhost/v1/node") == 200
+    assert await asyncio.to_thread(ask, f"http://{own}/v1/node", "evil.example") == 403  # and Host is still checked
+    assert await asyncio.to_thread(ask, "/v1/node") == 200
+
+
 async def test_the_api_token_makes_an_admin_without_cookie_or_csrf_and_a_wrong_one_gets_401(
     guarded: tuple[TestClient[Any, Any], Broker],
 ) -> None:
