@@ -409,6 +409,8 @@ def lease_rows(
                     f"<code>gpubroker leases</code> on {e(name)} (or <code>GET /v1/leases</code> there) lists them all",
                 )
             )
+        # A node that is down shows its leases as its last document listed them: granted then, not known now.
+        down = None if node.get("state") in ("alive", "suspect") else str(node.get("state") or "down")
         for listed_one in listed:
             rows.append(
                 {
@@ -423,6 +425,7 @@ def lease_rows(
                     "expires": listed_one["expires_at"],
                     "state": "granted",
                     "labels": listed_one["labels"],  # as many as its document lists (LABELS_ROOM)
+                    "node_down": down,
                 }
             )
     return rows, queues, cut
@@ -461,7 +464,8 @@ def leases_region(request: web.Request) -> str:
             e(r["preemption"] or "—"),
             moment(r["since"], now) if r["since"] else "—",
             moment(r["expires"], now) if r["expires"] else "—",
-            f'<span class="state state-{e(r["state"])}">{e(r["state"])}</span>',
+            f'<span class="state state-{e(r["state"])}">{e(r["state"])}</span>'
+            + (f'<br><span class="muted">as last seen: {e(r["node"])} is {e(r["node_down"])}</span>' if r.get("node_down") else ""),
             f'<code class="lease-id">{e(r["id"])}</code>',
             *(
                 [

@@ -544,6 +544,31 @@ async def test_the_leases_page_says_when_it_shows_only_some_of_this_nodes_leases
     assert "more than 5" not in granted
 
 
+async def test_the_leases_page_says_a_down_nodes_leases_are_as_it_last_listed_them(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead node's last document still lists its leases: they read "granted" as if known now, past their expiry too."""
+    client, broker, _ = served
+    now = broker.clock.now()
+    granted = {
+        "id": "l-far-1", "state": "granted", "holder": {"name": "far-job"}, "priority": "batch", "preemption": None,
+        "gpus": [{"index": 0, "uuid": "GPU-far", "bytes": GIB}], "granted_at": now, "expires_at": now + 60,
+    }  # fmt: skip
+    document = summarize(broker.node_json(), [granted])
+    for state, said in (("dead", True), ("left", True), ("suspect", False), ("alive", False)):
+        view = {
+            "nodes": [
+                {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
+                {"id": "n-far", "name": "far", "self": False, "state": state, "age": 1.0, "document": document},
+            ],
+            "coordinator": None,
+        }
+        monkeypatch.setattr(pages, "cluster_view", lambda app, view=view: view)
+        text = await (await client.get("/fragment/leases")).text()
+        assert "l-far-1" in text
+        assert (f"as last seen: far is {state}" in text) is said, state
+
+
 async def test_the_leases_page_says_how_many_leases_a_peers_document_does_not_list(
     served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
 ) -> None:
