@@ -153,7 +153,7 @@ def test_a_lease_is_released_within_a_second_of_its_holder_dying_by_kill_9_and_i
     assert released_after < 1.0
     ended = state()
     assert ended["state"] == "released"
-    assert ended["reason"] == f"holder pid {holder.pid} exited"
+    assert ended["reason"].startswith(f"holder pid {holder.pid} exited")
     assert client.call("GET", "/v1/node")["gpus"][0]["figures"]["leased"] == 0
 
     def release_events() -> list[dict[str, Any]]:
@@ -168,6 +168,16 @@ def test_a_lease_is_released_within_a_second_of_its_holder_dying_by_kill_9_and_i
     wait_for(lambda: not living_members(pgid), timeout=5.0)
     # Only a signal to the whole group reaches the member, and it was SIGTERM, not SIGKILL.
     assert (work / "member-signal").read_text() == "TERM\n"
+    stopped = f"holder pid {holder.pid} exited; its work was stopped: process group {pgid} ended on SIGTERM"
+    wait_for(lambda: state()["reason"] == stopped, timeout=5.0)  # said where its user looks, as is an event
+
+    def stop_events() -> list[dict[str, Any]]:
+        events = client.call("GET", "/v1/events", query={"limit": 1000})["events"]
+        return [e for e in events if e["type"] == "lease.work_stopped" and e.get("lease") == lease["id"]]
+
+    wait_for(stop_events, timeout=5.0)  # on disk just after the reason changes in memory
+    [said] = stop_events()
+    assert said["details"] == {"pgids": [pgid], "signal": "SIGTERM", "killed": [], "grace": 10.0}
     assert holder.wait(5) == -signal.SIGKILL
 
 

@@ -119,20 +119,25 @@ def signal_group(pgid: int, signum: int) -> bool:
     return False
 
 
-async def stop_groups(pgids: list[int], uids: list[int], grace: float) -> None:
+async def stop_groups(pgids: list[int], uids: list[int], grace: float) -> tuple[list[int], list[int]]:
     """SIGTERM each group, then SIGKILL what is left after `grace`: work never goes on without its lease.
 
     Only groups still as they were registered (`signalable_groups`), looked at again before each signal.
+    Answers the groups sent SIGTERM, and those of them that had to be killed.
     """
-    alive = [pgid for pgid in await asyncio.to_thread(signalable_groups, pgids, uids) if signal_group(pgid, signal.SIGTERM)]
-    for pgid in alive:  # a stopped group (Ctrl-Z) acts on SIGTERM only once continued
+    signalled = [pgid for pgid in await asyncio.to_thread(signalable_groups, pgids, uids) if signal_group(pgid, signal.SIGTERM)]
+    for pgid in signalled:  # a stopped group (Ctrl-Z) acts on SIGTERM only once continued
         signal_group(pgid, signal.SIGCONT)
     owner = dict(zip(pgids, uids, strict=False))
+    alive = signalled
     waited = 0.0
     while alive and waited < grace:
         await asyncio.sleep(min(0.1, grace - waited))
         waited += 0.1
         alive = [pgid for pgid in alive if group_alive(pgid)]
+    killed: list[int] = []
     if alive:
         for pgid in await asyncio.to_thread(signalable_groups, alive, [owner[pgid] for pgid in alive]):
-            signal_group(pgid, signal.SIGKILL)
+            if signal_group(pgid, signal.SIGKILL):
+                killed.append(pgid)
+    return signalled, killed

@@ -28,7 +28,7 @@ from gpubroker.broker.decide import HostBudget, Placement, candidates, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token, unknown_fields
 from gpubroker.broker.probes import GpuProbe, GpuReading, GpusUnreadable, HostReading, ProbeError, UnreadableGpu, sample_host
 from gpubroker.broker.request import LeaseRequest
-from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
+from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, key_seq, seq_key
 from gpubroker.config import CLASSES, Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, StoreFull
 from gpubroker.units import gib, log_line, rfc3339
@@ -291,7 +291,7 @@ class Broker:
                 if not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
                     writes += self._end(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
         for lease in restop:
-            self._spawn(holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), self.config.kill_grace))
+            self._spawn(self._stop_work(lease))
         writes.append(
             self._event(
                 "broker.started", f"broker {self.config.name} started with {len(self.leases)} live leases", details={"version": __version__}
@@ -1236,8 +1236,37 @@ class Broker:
         if self._watch is not None:
             self._watch.unwatch(lease.id)
         if lease.pgids:
-            self._spawn(holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), self.config.kill_grace))
+            self._spawn(self._stop_work(lease))
         self._scan()
+
+    async def _stop_work(self, lease: Lease) -> None:
+        """Stop what an ended lease left running, and say so in an event and in the lease's reason: its user
+        is to see that the work was stopped, why, and whether it had to be killed."""
+        grace = self.config.kill_grace
+        signalled, killed = await holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), grace)
+        if not signalled:
+            return  # nothing was left running
+        how = ", ".join(
+            f"process group {pgid} " + (f"killed (SIGKILL) {grace:g}s after SIGTERM" if pgid in killed else "ended on SIGTERM")
+            for pgid in signalled
+        )
+        said = f"its work was stopped: {how}"
+        writes = [
+            self._event(
+                "lease.work_stopped",
+                f"lease {lease.id} ({lease.holder.called}) {lease.state}: {lease.reason}; {said}",
+                lease=lease.id,
+                gpu=lease.gpus[0].uuid if lease.gpus else None,
+                details={"pgids": signalled, "signal": "SIGKILL" if killed else "SIGTERM", "killed": killed, "grace": grace},
+            )
+        ]
+        kept = self.ended.get(lease.id)
+        if kept is not None and kept[1] is lease:  # still in the history: its reason says it too
+            lease.reason = f"{lease.reason}; {said}"
+            record = lease.to_record()
+            record["_end"] = key_seq(kept[0])
+            writes.insert(0, Write("ended", kept[0], record))
+        self._record(*writes)
 
     def _trim_history(self) -> list[Write]:
         """Ended leases beyond leases_kept leave the history at once, and the store PRUNE_EVERY at a time.

@@ -59,6 +59,10 @@ def seq_key(seq: int) -> bytes:
     return _KEY.pack(seq)
 
 
+def key_seq(key: bytes) -> int:
+    return int(_KEY.unpack(key)[0])
+
+
 class StoreDamaged(Exception):
     """The store on disk cannot be read (a file cut short or overwritten): the broker does not start on it."""
 

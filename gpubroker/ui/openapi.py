@@ -414,7 +414,11 @@ OPENAPI: dict[str, Any] = {
                 "properties": {
                     "seq": {"type": "integer"},
                     "time": {"type": "string"},
-                    "type": {"type": "string"},
+                    "type": {
+                        "type": "string",
+                        "description": "what happened: lease.granted, lease.released, lease.expired, lease.work_stopped (the work an "
+                        "ended lease left running was stopped; details: pgids, signal, killed, grace), gpu.pressure.started, ...",
+                    },
                     "code": {"type": "string"},
                     "message": {"type": "string"},
                     "details": {"type": "object"},

@@ -46,6 +46,7 @@ EVENT_TYPES = (
     "lease.cancelled",
     "lease.over_declared",
     "lease.groups_dropped",
+    "lease.work_stopped",
     *(f"lease.{state}" for state in ENDED),
     "mesh.ask",
     "mesh.coordinator",

@@ -1506,3 +1506,68 @@ async def test_several_gpus_too_large_for_all_but_some_readable_ones_name_the_gp
         "30.0 GiB asked for on 2 GPUs; only 1 GPU that can be read can lease that much; the next largest, "
         f"GPU 0 (RTX 4090, 24.0 GiB), can lease at most 23.0 GiB; GPU 3 (GPU-fake-3) cannot be read: {lost}"
     )
+
+
+async def test_work_a_lease_left_running_is_stopped_with_an_event_and_its_reason_saying_by_which_signal(
+    make_node: Callable[..., Any],
+) -> None:
+    """The holder gone, its work ignoring SIGTERM: the broker kills it, and says so where its user looks."""
+    node = await make_node(kill_grace=0.3)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    work = subprocess.Popen(["sh", "-c", 'trap "" TERM; echo ready; exec sleep 30'], process_group=0, stdout=subprocess.PIPE)
+    try:
+        assert work.stdout is not None
+        assert work.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
+        lease, token = await node.ask(Caller("unix", uid=os.getuid(), pid=holder.pid), cpu_cores=1, bind="caller")
+        await node.broker.register_group(lease["id"], ME, token, work.pid)
+        holder.kill()
+        holder.wait()
+        assert await asyncio.to_thread(work.wait, 10) == -signal.SIGKILL
+        for _ in range(200):
+            stopped = await node.events("lease.work_stopped")
+            if stopped:
+                break
+            await asyncio.sleep(0.05)
+        (event,) = stopped
+        assert event["lease"] == lease["id"]
+        assert event["details"] == {"pgids": [work.pid], "signal": "SIGKILL", "killed": [work.pid], "grace": 0.3}
+        assert f"holder pid {holder.pid} exited" in event["message"]
+        assert f"process group {work.pid} killed (SIGKILL) 0.3s after SIGTERM" in event["message"]
+        reason = node.broker.get(lease["id"])["reason"]
+        assert (
+            reason == f"holder pid {holder.pid} exited; its work was stopped: process group {work.pid} killed (SIGKILL) 0.3s after SIGTERM"
+        )
+        await node.restart()
+        assert node.broker.get(lease["id"])["reason"] == reason  # kept with the lease on disk
+    finally:
+        for process in (holder, work):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        if work.stdout is not None:
+            work.stdout.close()
+
+
+async def test_work_that_ends_on_sigterm_is_said_to_have_been_stopped_by_it(make_node: Callable[..., Any]) -> None:
+    node = await make_node(kill_grace=30.0)
+    lease, token = await node.ask(ME, cpu_cores=1)
+    work = subprocess.Popen(["sleep", "30"], process_group=0)
+    try:
+        await node.broker.register_group(lease["id"], ME, token, work.pid)
+        await node.broker.release(lease["id"], ME, token)
+        assert await asyncio.to_thread(work.wait, 10) == -signal.SIGTERM
+        for _ in range(200):
+            stopped = await node.events("lease.work_stopped")
+            if stopped:
+                break
+            await asyncio.sleep(0.05)
+        (event,) = stopped
+        assert event["details"] == {"pgids": [work.pid], "signal": "SIGTERM", "killed": [], "grace": 30.0}
+        assert (
+            node.broker.get(lease["id"])["reason"]
+            == f"released by its holder (pid {os.getpid()}); its work was stopped: process group {work.pid} ended on SIGTERM"
+        )
+    finally:
+        if work.poll() is None:
+            work.kill()
+        work.wait()
