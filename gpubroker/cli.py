@@ -196,6 +196,14 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 GATE_FD = 3
 _GATE = f'read -r _ <&{GATE_FD} && exec {GATE_FD}<&- && exec "$0" "$@"'
 STOP_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when CMD's lease has ended under it (as the broker's kill_grace)
+REQUEST_TIMEOUT = 10.0  # the longest wait for an answer to a renewal, a look or a release once the lease is granted
+
+
+def _patience(ttl: float) -> float:
+    """How long `gpubroker lease` waits for the broker's answer about a granted lease: a third of its TTL, at least
+    1 s, at most REQUEST_TIMEOUT. A live broker answers in milliseconds, even while each commit waits 10-25 ms for a
+    busy disk; one silent for that long is stopped or wedged. The request for the lease itself waits as `--wait` says."""
+    return min(REQUEST_TIMEOUT, max(1.0, ttl / 3))
 
 
 def _gate_in_child(gate: int, die_with_parent: Callable[[], None]) -> Callable[[], None]:
@@ -246,7 +254,9 @@ def cmd_lease(args: argparse.Namespace) -> int:
         except OSError as error:  # nobody got the lease's token: it goes, rather than live out its TTL unknown
             _drop_output()  # what could not be written is said once, here, not again when the exit flushes it
             with contextlib.suppress(ClientError):
-                client.call("DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]})
+                client.call(
+                    "DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]}, timeout=_patience(float(lease["ttl"]))
+                )
             print(
                 f"gpubroker: lease {lease['id']} is released again: it could not be written out ({error.strerror or error})",
                 file=sys.stderr,
@@ -332,6 +342,7 @@ class _Terminal:
 
 def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) -> int:
     token = {"X-Lease-Token": lease["token"]}
+    patience = _patience(float(lease["ttl"]))
     gate = os.pipe()  # the lowest free descriptors: if the reading end is not GATE_FD, GATE_FD is open here
     shim = ["/bin/sh", "-c", _GATE, *command]
     try:
@@ -344,14 +355,15 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
         )
     except OSError as error:
         print(f"gpubroker: cannot run {command[0]}: {error.strerror}", file=sys.stderr)
-        client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token)
+        with contextlib.suppress(ClientError):
+            client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token, timeout=patience)
         return 127
     finally:
         os.close(gate[0])
     terminal = _Terminal.open()
     failed: str | None = None  # why CMD never started (its gate closed unopened)
     try:
-        client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token)
+        client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token, timeout=patience)
         if terminal.ours:
             terminal.hand_to(child.pid)
         os.write(gate[1], b"go\n")
@@ -366,7 +378,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
         terminal.take_back()
         child.wait()
         with contextlib.suppress(ClientError):
-            client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token)
+            client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token, timeout=patience)
         return 1
 
     def forward(signum: int, _frame: object) -> None:
@@ -386,7 +398,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
         failed = False  # the last renewal failed, and was said to have: the next that works says so too
         while not done.wait(ttl / 3):
             try:
-                renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token)["lease"]
+                renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token, timeout=patience)["lease"]
             except ClientError as error:
                 print(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}", file=sys.stderr)
                 if error.status in (404, 409):  # the lease has ended: so does CMD, even if the broker could not see to it
@@ -404,12 +416,12 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     def hold(stopped: bool) -> None:
         with contextlib.suppress(ClientError):
             ttl = STOPPED_TTL if stopped else f"{float(lease['ttl']):g}s"
-            client.call("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": ttl}, headers=token)
+            client.call("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": ttl}, headers=token, timeout=patience)
 
     code = _wait_as_a_job(child, terminal, hold)
     terminal.take_back()
     done.set()
-    _release_after(client, lease["id"], token)
+    _release_after(client, lease["id"], token, patience)
     if -code in (signal.SIGINT, signal.SIGQUIT):
         # Ctrl-C (or Ctrl-\) ended CMD: end the same way, so the shell or script that ran `gpubroker lease` stops too.
         signal.signal(-code, signal.SIG_DFL)
@@ -494,16 +506,24 @@ def _stop_group(pgid: int, done: threading.Event) -> None:
         pass
 
 
-def _release_after(client: Client, lease_id: str, token: dict[str, str]) -> None:
+def _release_after(client: Client, lease_id: str, token: dict[str, str], patience: float) -> None:
     """CMD has exited: release its lease, or say why there was none left to release (released by someone
     else, expired while the broker could not be reached), since that is why CMD may have been stopped."""
-    with contextlib.suppress(ClientError):
-        now = _when_reachable(lambda: client.call("GET", f"/v1/leases/{lease_id}"))["lease"]
+    try:
+        now = _when_reachable(lambda: client.call("GET", f"/v1/leases/{lease_id}", timeout=patience))["lease"]
         if now.get("state") not in (None, "granted"):
             print(f"gpubroker: lease {lease_id} was {now['state']} before CMD ended: {now.get('reason')}", file=sys.stderr)
             return
+    except ClientError as error:
+        if error.code == "TIMEOUT":  # a release would wait as long for nothing; the lease is bound to this process
+            print(
+                f"gpubroker: lease {lease_id} is not released: {error.message}; it is released once the broker sees that "
+                "its holder is gone (this process, which exits now)",
+                file=sys.stderr,
+            )
+            return
     try:
-        client.call("DELETE", f"/v1/leases/{lease_id}", headers=token)
+        client.call("DELETE", f"/v1/leases/{lease_id}", headers=token, timeout=patience)
     except ClientError as error:
         if error.status not in (404, 409):
             print(f"gpubroker: releasing {lease_id}: {error.code}: {error.message}", file=sys.stderr)

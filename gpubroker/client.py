@@ -149,11 +149,20 @@ class Client:
             self._refuse_plain_text()
             sent.setdefault("Authorization", f"Bearer {self.token}")
         payload = json.dumps(body).encode() if body is not None else None
-        connection = self.endpoint.connection(timeout if timeout is not None else self.timeout)
+        patience = timeout if timeout is not None else self.timeout
+        connection = self.endpoint.connection(patience)
         try:
             connection.request(method, path, body=payload, headers=sent)
             response = connection.getresponse()
             raw = response.read()
+        except TimeoutError:
+            # Connected, and no answer: a broker stopped (SIGSTOP, a debugger) or wedged, not one that is gone.
+            raise ClientError(
+                0,
+                "TIMEOUT",
+                f"the broker at {self.endpoint.url} did not answer {method} {path.partition('?')[0]} within {patience:g}s "
+                "(stopped, or far too busy)",
+            ) from None
         except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as error:
             # It was listening, and went away with the request: a change asked for may have been made.
             raise ClientError(

@@ -209,7 +209,7 @@ def test_a_printed_lease_that_cannot_be_written_is_released_and_said_once(
 
         def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
             calls.append((method, path))
-            lease = {"id": "l-1", "gpus": [], "epoch": 1, "expires_at": "…", "token": "t", "env": {"GPUBROKER_LEASE": "l-1"}}
+            lease = {"id": "l-1", "gpus": [], "epoch": 1, "ttl": 300.0, "expires_at": "…", "token": "t", "env": {"GPUBROKER_LEASE": "l-1"}}
             return {"lease": lease}
 
     monkeypatch.setattr(cli, "Client", Broker)
@@ -272,3 +272,44 @@ def test_a_broker_that_goes_away_with_a_request_is_not_said_to_be_missing(tmp_pa
     assert "went away while it handled POST /v1/leases" in gone.value.message
     assert "look (`gpubroker leases`, `gpubroker events`) before asking again" in gone.value.message
     assert "start one" not in gone.value.message
+
+
+def test_a_broker_that_takes_a_request_and_never_answers_is_given_up_on_and_a_slow_one_is_waited_for(tmp_path: Path) -> None:
+    """A stopped broker (SIGSTOP) still accepts on its socket: without a timeout, `gpubroker lease` waited on it
+    for as long as it was stopped. A slow one (a commit waiting 10-25 ms for a busy disk) is no stopped one."""
+    path = tmp_path / "api.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    answer = threading.Event()
+
+    def take(delay: float | None) -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            if delay is None:
+                answer.wait(10)  # never answers while the client waits
+                return
+            time.sleep(delay)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+
+    client = Client(Endpoint(f"unix:{path}"), timeout=None)
+    try:
+        taker = threading.Thread(target=take, args=(None,))
+        taker.start()
+        with pytest.raises(ClientError) as silent:
+            client.call("POST", "/v1/leases/l-1/renew", timeout=cli._patience(1.0))
+        answer.set()
+        taker.join(5)
+        assert silent.value.code == "TIMEOUT"
+        assert (
+            silent.value.message
+            == f"the broker at unix:{path} did not answer POST /v1/leases/l-1/renew within 1s (stopped, or far too busy)"
+        )
+        taker = threading.Thread(target=take, args=(0.05,))  # twice the slowest commit on a busy disk
+        taker.start()
+        assert client.call("POST", "/v1/leases/l-1/renew", timeout=cli._patience(1.0)) == {}
+        taker.join(5)
+    finally:
+        server.close()
+    assert (cli._patience(1.0), cli._patience(6.0), cli._patience(300.0)) == (1.0, 2.0, 10.0)

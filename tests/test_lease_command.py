@@ -267,6 +267,37 @@ def test_renewals_that_resume_after_the_broker_restarts_say_so(
     assert holder.poll() is None  # CMD goes on
 
 
+def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_end(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """A broker stopped (SIGSTOP, a debugger, a hung disk) took `gpubroker lease` with it for as long as it was stopped,
+    once CMD had ended: its release waited for an answer without end."""
+    broker = start_broker(gpubroker, broker_process)
+    done = tmp_path / "done"
+    cmd = ["sh", "-c", 'while [ ! -e "$0" ]; do sleep 0.05; done', str(done)]
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "6s", "--", *cmd], broker.env)
+    wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    lease = granted_to(broker.client(), holder.pid)
+    assert lease is not None
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGSTOP)
+    try:
+        done.touch()  # CMD ends while the broker cannot answer
+
+        assert holder.wait(60) == 0, lease_log(tmp_path)  # CMD's status, the broker answering or not
+        said = lease_log(tmp_path)
+        assert re.search(
+            rf"^gpubroker: lease {lease['id']} is not released: the broker at unix:\S+ did not answer GET /v1/leases/{lease['id']} within 2s",
+            said,
+            re.MULTILINE,
+        ), said
+        assert "it is released once the broker sees that its holder is gone" in said
+    finally:
+        broker.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "released", timeout=10.0)
+    assert broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"holder pid {holder.pid} exited"
+
+
 def test_cmd_starts_when_the_caller_passed_on_open_descriptors_past_9(gpubroker: list[str], broker_process: MakeBroker) -> None:
     """Some shells (dash, Debian's /bin/sh) know only descriptors 0-9: CMD's start must not depend on which the caller left open."""
     broker = start_broker(gpubroker, broker_process)
