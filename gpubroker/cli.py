@@ -390,7 +390,10 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
             pass
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, forward)
+        # One ignored since this process started stays so (`nohup`, a script's background job), as it does for CMD,
+        # which inherited it: a hang-up or a Ctrl-C its caller meant to ignore is not passed on.
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, forward)
     done = threading.Event()
 
     def renew() -> None:

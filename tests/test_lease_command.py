@@ -298,6 +298,70 @@ def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_e
     assert broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"holder pid {holder.pid} exited"
 
 
+# CMD for the ignored-signals test, run as `python CMD_NOTING GOT READY`: it says which signals it was started with
+# ignored, then handles SIGHUP, SIGINT and SIGTERM whatever its caller meant (as many servers do), noting each it gets.
+CMD_NOTING = """\
+import os, signal, sys
+got, ready = sys.argv[1:]
+ignored = [s.name for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) == signal.SIG_IGN]
+with open(got, "a") as out:
+    out.write("ignored: " + " ".join(ignored) + "\\n")
+
+def note(signum, _frame):
+    with open(got, "a") as out:
+        out.write(signal.Signals(signum).name + "\\n")
+    if signum == signal.SIGTERM:
+        os._exit(0)
+
+for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, note)
+open(ready, "w").close()
+while True:
+    signal.pause()
+"""
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether a process has a handler of its own for a signal (SigCgt in /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & 1 << (signum - 1))
+
+
+def test_signals_its_caller_ignored_stay_ignored_by_gpubroker_lease_and_cmd(
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+) -> None:
+    """`nohup gpubroker lease -- CMD &` (SIGHUP ignored) or a script's background job (SIGINT and SIGQUIT ignored):
+    a hang-up or a Ctrl-C meant for the terminal's foreground was passed on to CMD as if it had been meant for it."""
+    broker = start_broker(gpubroker, broker_process)
+    script, got, ready = tmp_path / "cmd.py", tmp_path / "got", tmp_path / "ready"
+    script.write_text(CMD_NOTING)
+
+    def as_nohup_in_the_background() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    with (tmp_path / "lease0.log").open("wb") as log:
+        holder = subprocess.Popen(
+            [*gpubroker, "lease", "--cpu-cores", "1", "--", sys.executable, str(script), str(got), str(ready)],
+            env=broker.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=as_nohup_in_the_background,
+        )  # fmt: skip
+    try:
+        wait_for(ready.exists, timeout=30.0)
+        wait_for(lambda: catches(holder.pid, signal.SIGTERM), timeout=10.0)  # what it passes on, it is ready to
+        holder.send_signal(signal.SIGHUP)  # the terminal hangs up
+        holder.send_signal(signal.SIGINT)  # Ctrl-C for the script in the foreground
+        holder.send_signal(signal.SIGTERM)  # not ignored: passed on, and CMD ends
+
+        assert holder.wait(30) == 0, lease_log(tmp_path)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait()
+    assert got.read_text() == "ignored: SIGHUP SIGINT\nSIGTERM\n"
+    assert broker.client().call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []
+
+
 def test_cmd_starts_when_the_caller_passed_on_open_descriptors_past_9(gpubroker: list[str], broker_process: MakeBroker) -> None:
     """Some shells (dash, Debian's /bin/sh) know only descriptors 0-9: CMD's start must not depend on which the caller left open."""
     broker = start_broker(gpubroker, broker_process)
