@@ -21,7 +21,7 @@ from gpubroker import __version__
 from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
-from gpubroker.units import gib, printable_text, rfc3339
+from gpubroker.units import gib, parse_duration, printable_text, rfc3339
 
 FOREVER = 10 * 365 * 86400
 
@@ -395,11 +395,25 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
         if signal.getsignal(signum) != signal.SIG_IGN:
             signal.signal(signum, forward)
     done = threading.Event()
+    ttl = float(lease["ttl"])
+    # The latest the lease can last unless renewed again: a TTL after the last answer that extended it. The broker
+    # extended it at the latest then, so once this has passed with no renewal answered, the lease has run out.
+    runs_out = time.monotonic() + ttl
 
     def renew() -> None:
-        ttl = float(lease["ttl"])
+        nonlocal runs_out
         failed = False  # the last renewal failed, and was said to have: the next that works says so too
-        while not done.wait(ttl / 3):
+        wait = ttl / 3
+        while not done.wait(wait):
+            if time.monotonic() >= runs_out:
+                # The broker may expire it, grant its room to others, at any moment: CMD goes, as it would with the broker.
+                print(
+                    f"gpubroker: lease {lease['id']} has run out: no renewal has worked for its whole TTL ({ttl:g}s), so CMD is "
+                    f"stopped (SIGTERM, SIGKILL after {STOP_GRACE:g}s): work never goes on without its lease",
+                    file=sys.stderr,
+                )
+                _stop_group(child.pid, done)
+                return
             try:
                 renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token, timeout=patience)["lease"]
             except ClientError as error:
@@ -408,7 +422,9 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
                     _stop_group(child.pid, done)
                     return
                 failed = True
+                wait = min(ttl / 3, max(0.0, runs_out - time.monotonic()))  # tried again before it runs out, and looked at then
                 continue
+            runs_out, wait = time.monotonic() + ttl, ttl / 3
             if failed:
                 print(f"gpubroker: lease {lease['id']} renewed again: it expires {renewed['expires_at']}", file=sys.stderr)
                 failed = False
@@ -417,9 +433,11 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
     renewer.start()
 
     def hold(stopped: bool) -> None:
+        nonlocal runs_out
         with contextlib.suppress(ClientError):
-            ttl = STOPPED_TTL if stopped else f"{float(lease['ttl']):g}s"
-            client.call("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": ttl}, headers=token, timeout=patience)
+            held = STOPPED_TTL if stopped else f"{ttl:g}s"
+            client.call("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": held}, headers=token, timeout=patience)
+            runs_out = time.monotonic() + parse_duration(held)
 
     code = _wait_as_a_job(child, terminal, hold)
     terminal.take_back()

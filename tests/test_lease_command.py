@@ -298,6 +298,34 @@ def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_e
     assert broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"holder pid {holder.pid} exited"
 
 
+def test_cmd_is_stopped_once_its_lease_has_certainly_run_out_with_the_broker_answering_no_renewal(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """Work never goes on without its lease: with the broker stopped for good, CMD ran on unleased, its memory
+    free for the broker to grant once it ran again, while `gpubroker lease` said only that renewals failed."""
+    broker = start_broker(gpubroker, broker_process)
+    cmd = ["sh", "-c", 'trap "exit 3" TERM; sleep 600 & wait']
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "3s", "--", *cmd], broker.env)
+    wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    lease = granted_to(broker.client(), holder.pid)
+    assert lease is not None
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert holder.wait(30) == 3, lease_log(tmp_path)  # CMD got SIGTERM, and its exit code is passed on
+        said = lease_log(tmp_path)
+        assert f"gpubroker: lease {lease['id']} could not be renewed: TIMEOUT: " in said
+        assert re.search(
+            rf"^gpubroker: lease {lease['id']} has run out: no renewal has worked for its whole TTL \(3s\), so CMD is stopped "
+            r"\(SIGTERM, SIGKILL after 10s\): work never goes on without its lease$",
+            said,
+            re.MULTILINE,
+        ), said
+    finally:
+        broker.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: broker.client().call("GET", "/v1/leases", query={"state": "granted"})["leases"] == [], timeout=10.0)
+
+
 # CMD for the ignored-signals test, run as `python CMD_NOTING GOT READY`: it says which signals it was started with
 # ignored, then handles SIGHUP, SIGINT and SIGTERM whatever its caller meant (as many servers do), noting each it gets.
 CMD_NOTING = """\
