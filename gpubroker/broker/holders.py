@@ -7,17 +7,28 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
 from gpubroker.units import printable_text
 
+# The kernel keeps when a process started as clock ticks since boot; psutil adds /proc/stat's btime, the wall clock
+# less the time since boot, read anew on every call, so it moves with every step of the wall clock (NTP setting the
+# clock of a board without a real-time clock): a holder read before a step of an hour and its processes read after it
+# seemed to have started an hour apart, and were taken for other processes. Boot time read once keeps every start time
+# this broker takes on one scale, and one read of /proc/PID/stat costs a grant less than psutil's two.
+_BOOTED = psutil.boot_time()
+_TICKS = os.sysconf("SC_CLK_TCK")
+
 
 def start_time(pid: int) -> float | None:
-    """When a process started (to tell it from a later process with the same pid); None if it is gone."""
+    """When a process started (to tell it from a later process with the same pid), on the wall clock as it read when
+    this broker started, whatever it reads now; None if it is gone."""
     try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return float(stat.rpartition(b")")[2].split()[19]) / _TICKS + _BOOTED  # starttime, the 22nd field
+    except (OSError, IndexError, ValueError):  # gone, or not a process's stat
         return None
 
 

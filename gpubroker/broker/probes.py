@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from gpubroker.broker.holders import start_time
 from gpubroker.config import toml_document
 from gpubroker.units import UnitError, parse_size, printable_text
 
@@ -102,12 +103,16 @@ def describe_process(pid: int) -> tuple[str, int | None, tuple[int, ...], tuple[
         process = psutil.Process(pid)
         name = printable_text(process.name())  # a process may name itself with any bytes
         pgid = os.getpgid(pid)
-        parents = process.parents()
-        ancestors = tuple(parent.pid for parent in parents)
-        started = tuple(one.create_time() for one in (process, *parents))  # psutil read these with each Process
+        ancestors = tuple(parent.pid for parent in process.parents())
     except (psutil.Error, ProcessLookupError, PermissionError):
         return "", None, (), ()
-    return name, pgid, ancestors, started
+    started: list[float] = []
+    for one in (pid, *ancestors):  # as holders read them, so that a holder's time and its work's compare
+        at = start_time(one)
+        if at is None:  # gone since: those above it are not known either
+            break
+        started.append(at)
+    return name, pgid, ancestors, tuple(started)
 
 
 _SPEC_PART = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\S+)\s*$", re.IGNORECASE)

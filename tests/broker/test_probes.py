@@ -9,7 +9,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpubroker.broker.probes import GpusUnreadable, ProbeError, SimulatedProbe, UnreadableGpu
+from gpubroker.broker import holders
+from gpubroker.broker.probes import GpuProcess, GpusUnreadable, ProbeError, SimulatedProbe, UnreadableGpu, describe_process
 
 GIB = 2**30
 
@@ -77,3 +78,13 @@ def test_a_simulation_file_not_in_utf8_is_a_probe_error_naming_the_line_at_start
         probe.sample()  # the broker then says DRIVER_ERROR, as for any broken file, and serves on
     with pytest.raises(ProbeError, match="not UTF-8"):
         SimulatedProbe(str(sim))
+
+
+def test_a_step_of_the_wall_clock_leaves_a_process_the_one_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = holders.start_time(os.getpid())
+    # /proc/stat's btime is the wall clock less the time since boot: NTP stepping the clock an hour on moves it an hour on.
+    booted = psutil.boot_time()
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: booted + 3600)
+    assert holders.is_same_process(os.getpid(), before)  # a caller-bound lease's holder is not said to have exited
+    name, pgid, ancestors, started = describe_process(os.getpid())
+    assert GpuProcess(os.getpid(), name, GIB, pgid, ancestors, started).same_as(0, before)  # its memory stays its lease's
