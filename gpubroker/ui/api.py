@@ -330,8 +330,7 @@ _TCP = Caller("tcp")
 
 
 def _caller(request: web.Request) -> Caller:
-    """On the Unix socket the kernel names the caller (SO_PEERCRED, read once per connection with when that process
-    started); on TCP nobody does."""
+    """On the Unix socket the kernel names the caller (SO_PEERCRED, read once per connection); on TCP nobody does."""
     if CALLER in request:
         return request[CALLER]
     transport = request.transport
@@ -341,7 +340,7 @@ def _caller(request: web.Request) -> Caller:
         caller = _TCP
         if sock is not None and sock.family == socket.AF_UNIX:
             pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            caller = Caller("unix", uid=uid, pid=pid or None, start_time=holders.start_time(pid) if pid else None)
+            caller = Caller("unix", uid=uid, pid=pid or None)
         if transport is not None:
             _BY_CONNECTION[transport] = caller
     request[CALLER] = caller
@@ -424,17 +423,27 @@ def _proc_net_address(family: int, host: str, port: int) -> str:
 
 
 async def _stamped_caller(request: web.Request) -> Caller:
-    """The caller, and on TCP where a [[stamp]] names a user, who owns its end of the connection (read once per connection)."""
+    """The caller as a lease request needs it, each part read once per connection, on its first lease request: on the
+    Unix socket when its process started (the holder's start time, against a later process with its pid); on TCP, where
+    a [[stamp]] names a user, who owns its end of the connection."""
     caller = _caller(request)
+    if caller.transport == "unix":
+        if caller.pid is None or caller.start_time is not None:
+            return caller
+        return _keep(request, replace(caller, start_time=holders.start_time(caller.pid)))
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     if caller.transport != "tcp" or caller.tcp_uid is not None or sock is None or not request.app[CONFIG].user_stamps:
         return caller
     uid = await asyncio.to_thread(loopback_peer_uid, sock)
-    if uid is not None:
-        caller = request[CALLER] = replace(caller, tcp_uid=uid)
-        if caller.admin is None and transport is not None:
-            _BY_CONNECTION[transport] = caller
+    return caller if uid is None else _keep(request, replace(caller, tcp_uid=uid))
+
+
+def _keep(request: web.Request, caller: Caller) -> Caller:
+    """The caller of this request, kept for the next requests on its connection too (not an admin's: that is this request's alone)."""
+    request[CALLER] = caller
+    if caller.admin is None and request.transport is not None:
+        _BY_CONNECTION[request.transport] = caller
     return caller
 
 

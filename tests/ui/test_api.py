@@ -565,3 +565,48 @@ async def test_metrics_say_when_each_gpus_figures_were_read_and_whether_they_are
         assert gauges() == {"gpubroker_gpu_observed_timestamp_seconds": NOW, "gpubroker_gpu_stale": 1.0}
     finally:
         await broker.close()
+
+
+async def test_a_unix_callers_start_time_is_read_once_for_its_connection_on_its_first_lease_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease's holder carries when its process started (against a later process with its pid): read from /proc on
+    the connection's first lease request and kept for its next ones, never for renewals, releases or reads."""
+    from aiohttp import ClientSession, UnixConnector, web
+
+    from gpubroker.broker import holders
+    from gpubroker.ui import api
+
+    reads: list[int] = []
+    read = holders.start_time
+
+    def start_time(pid: int) -> float | None:
+        reads.append(pid)
+        return read(pid)
+
+    monkeypatch.setattr(api.holders, "start_time", start_time)
+    clock = FakeClock()
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock, [24 * GIB]), clock)
+    await broker.start()
+    runner = web.AppRunner(make_app(broker))
+    await runner.setup()
+    path = tmp_path / "api.sock"
+    await web.UnixSite(runner, str(path)).start()
+    try:
+        async with ClientSession(connector=UnixConnector(path=str(path), limit=1)) as session:
+            assert (await session.get("http://localhost/v1/node")).status == 200
+            assert reads == []
+            granted = []
+            for _ in range(2):
+                async with session.post("http://localhost/v1/leases", json={"gpu_memory": "1GiB", "bind": "none"}) as answer:
+                    assert answer.status == 201
+                    granted.append((await answer.json())["lease"])
+            first = granted[0]
+            assert (await session.post(f"http://localhost/v1/leases/{first['id']}/renew")).status == 200
+            assert (await session.delete(f"http://localhost/v1/leases/{first['id']}")).status == 200
+        assert reads == [os.getpid()]
+        assert broker.leases[granted[1]["id"]].holder.start_time == read(os.getpid())
+    finally:
+        await runner.cleanup()
+        await broker.close()
