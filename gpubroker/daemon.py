@@ -450,7 +450,7 @@ def config_warnings(config: Config, broker: Broker) -> list[str]:
 
 
 def run(config: Config, join: str | None = None, ask: bool = False) -> int:
-    """`gpubroker up`: run in the foreground until SIGINT or SIGTERM."""
+    """`gpubroker up`: run in the foreground until SIGINT, SIGTERM or SIGHUP."""
     raise_open_files_limit()
 
     def ready(broker: Broker) -> None:
@@ -479,8 +479,11 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
             task.cancel()  # first: a log nobody reads any more must not keep the broker from stopping
             log_line(f"{signal.Signals(signum).name}: stopping")
 
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop, signum)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            # SIGHUP (its terminal gone) stops it as the others do, said and cleanly, where it used to kill it silently;
+            # one its starter ignored (`nohup gpubroker up`) stays ignored: it was asked to outlive the terminal.
+            if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN:
+                loop.add_signal_handler(signum, stop, signum)
         with contextlib.suppress(asyncio.CancelledError):
             await serve(config, on_ready=ready, join=join, ask=ask)
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+import signal
 import socket
 import stat
 import subprocess
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import BrokerProcess, wait_for
 
 from gpubroker import daemon
 
@@ -140,3 +142,27 @@ def test_a_socket_directory_another_user_made_first_is_refused_naming_them() -> 
         os.chown(state, pwd.getpwnam("nobody").pw_uid, -1)
         with pytest.raises(daemon.StartError, match=rf"the state directory {state} belongs to user nobody"):
             daemon.lock_state(state)
+
+
+def test_sighup_stops_the_broker_as_sigterm_does_saying_so(broker_process: type[BrokerProcess]) -> None:
+    """The terminal of a `gpubroker up` run in the foreground goes away (an ssh session ends), or an operator sends
+    SIGHUP hoping for a reload: the broker stopped at once, with no word in its log, its socket left behind and its
+    cluster not told it leaves."""
+    broker = broker_process("1x24GiB").start()
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGHUP)
+    assert broker.proc.wait(10) == 0
+    wait_for(lambda: broker.output[-1:] == ["gpubroker: stopped\n"], timeout=5)  # read to its end
+    assert broker.output[-2:] == ["gpubroker: SIGHUP: stopping\n", "gpubroker: stopped\n"], broker.output
+    assert not broker.socket.exists()
+
+
+def test_a_broker_started_with_sighup_ignored_goes_on_after_one(broker_process: type[BrokerProcess]) -> None:
+    """`nohup gpubroker up &`: its operator asked for it to outlive the terminal."""
+    broker = broker_process("1x24GiB")
+    broker.command = ["nohup", *broker.command]
+    broker.start()
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGHUP)  # an ignored signal is dropped as it is sent
+    assert broker.client().call("GET", "/healthz")["ok"] is True
+    assert broker.proc.poll() is None
