@@ -13,6 +13,7 @@ import functools
 import queue
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from gpubroker.units import log_line
 
 _KEY = struct.Struct(">Q")
 PRUNE_EVERY = 64  # history (events, ended leases) is dropped in groups of this many: fewer pages per commit
+RECHECK_EVERY = 5.0  # seconds: how often a store whose last write failed, with nothing else to write, tries a write
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +199,13 @@ class Store:
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
+            try:
+                # While writes fail, the writer also tries one of its own now and then: freed space on an idle broker
+                # is seen (in /healthz, in the log) without waiting for a request to fail or succeed.
+                first = self._queue.get(timeout=RECHECK_EVERY if self._said is not None else None)
+            except queue.Empty:
+                self._recheck()
+                continue
             if first is None:
                 return
             batches = [first]
@@ -267,6 +275,16 @@ class Store:
                     {"state_dir": str(self._path)},
                 )
             )
+
+    def _recheck(self) -> None:
+        """A write of the time it was tried: once it succeeds, the store says it can be written again. Its failure
+        is not counted nor said again: nobody asked for it."""
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(b"written_at", self._pack(time.time()), db=self._db["meta"])
+        except Exception:
+            return
+        self._failing(None)
 
     def _failing(self, problem: StoreFull | None) -> StoreFull | None:
         """The log says when writes start failing, and for what, and when they work again: once, not per request."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gpubroker.broker import store as store_module
 from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
 from gpubroker.errors import StoreFull
 
@@ -127,3 +128,26 @@ async def test_a_store_cut_short_to_nothing_is_refused_not_begun_again_empty(tmp
         Store(tmp_path, 16 * 2**20)
     assert "is empty" in str(damaged.value)
     assert data.stat().st_size == 0  # left as it was, for whoever restores it
+
+
+async def test_a_store_whose_write_failed_says_once_it_can_be_written_again_with_no_request_coming(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Space freed under an idle broker: /healthz said `store_error`, and the log that writes failed, until a request
+    happened to come; an operator who had freed space saw no change."""
+    monkeypatch.setattr(store_module, "RECHECK_EVERY", 0.05)
+    store = Store(tmp_path, 1 * 2**20)
+    store.start()
+    try:
+        with pytest.raises(StoreFull):
+            await store.commit([Write("meta", f"big{i}".encode(), {"pad": "x" * 200_000}) for i in range(8)])
+        assert store.failing is not None
+        for _ in range(400):  # at most 20 s: the writer tries again every RECHECK_EVERY
+            if store.failing is None:
+                break
+            await asyncio.sleep(0.05)
+        assert store.failing is None
+    finally:
+        store.stop()
+    assert capsys.readouterr().err.splitlines()[-1] == "gpubroker: the state store can be written again"
+    assert "big0" not in Store(tmp_path, 1 * 2**20).load().meta  # the failed write stays undone
