@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import queue
 import struct
 import threading
@@ -27,6 +28,7 @@ from gpubroker.units import log_line
 
 _KEY = struct.Struct(">Q")
 PRUNE_EVERY = 64  # history (events, ended leases) is dropped in groups of this many: fewer pages per commit
+DISK_FULL_UNDER = 2**20  # bytes free on the state directory's disk below which a failed write is put down to a full disk
 RECHECK_EVERY = 5.0  # seconds: how often a store whose last write failed, with nothing else to write, tries a write
 
 
@@ -267,14 +269,22 @@ class Store:
             )
         except Exception as error:  # a disk fault: the writes did not happen, the callers hear so,
             # and the writer lives on for the next batch.
-            full = isinstance(error, lmdb.DiskError) and "No space left" in str(error)
-            advice = f"; free space on the disk of {self._path}" if full else f" (in {self._path})"
+            problem = f"{type(error).__name__}: {error}"
+            if "No space left" in str(error) or self._disk_full():  # a write cut short by a full disk is EIO to LMDB
+                problem = f"the disk of {self._path} is full ({problem}); free space on the disk of {self._path}"
+            else:
+                problem += f" (in {self._path})"
             return self._failing(
-                StoreFull(
-                    f"the state store could not be written: {type(error).__name__}: {error}{advice}; nothing was changed",
-                    {"state_dir": str(self._path)},
-                )
+                StoreFull(f"the state store could not be written: {problem}; nothing was changed", {"state_dir": str(self._path)})
             )
+
+    def _disk_full(self) -> bool:
+        """Whether the state directory's disk has no room left to speak of (under a MiB this user may use)."""
+        try:
+            disk = os.statvfs(self._path)
+        except OSError:
+            return False
+        return disk.f_bavail * disk.f_frsize < DISK_FULL_UNDER
 
     def _recheck(self) -> None:
         """A write of the time it was tried: once it succeeds, the store says it can be written again. Its failure

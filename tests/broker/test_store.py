@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 
 from gpubroker.broker import store as store_module
@@ -151,3 +152,37 @@ async def test_a_store_whose_write_failed_says_once_it_can_be_written_again_with
         store.stop()
     assert capsys.readouterr().err.splitlines()[-1] == "gpubroker: the state store can be written again"
     assert "big0" not in Store(tmp_path, 1 * 2**20).load().meta  # the failed write stays undone
+
+
+class _FailingCommit:
+    """A write transaction whose commit fails as LMDB's does when the disk fills under a page it writes: a short
+    write, which LMDB reports as EIO, not ENOSPC."""
+
+    def __enter__(self) -> _FailingCommit:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        raise lmdb.Error("mdb_txn_commit: Input/output error")
+
+    def put(self, *_: object, **__: object) -> None:
+        pass
+
+
+async def test_a_write_that_fails_on_a_full_disk_says_the_disk_is_full_whatever_the_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk said "Input/output error" for its first failures: an operator looked for a failing disk."""
+    store = Store(tmp_path, 16 * 2**20)
+    real = store._env
+    monkeypatch.setattr(store, "_env", type("Env", (), {"begin": lambda self, write=False: _FailingCommit()})())
+    disk = os.statvfs(tmp_path)
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((*disk[:4], 0, *disk[5:])))  # f_bavail 0
+    store.start()
+    try:
+        with pytest.raises(StoreFull) as failed:
+            await store.commit(_put(1))
+    finally:
+        store._env = real
+        store.stop()
+    assert f"the disk of {tmp_path} is full" in failed.value.message
+    assert f"free space on the disk of {tmp_path}" in failed.value.message
