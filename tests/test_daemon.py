@@ -9,12 +9,13 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import BrokerProcess, wait_for
+from conftest import BrokerProcess, free_port, wait_for
 
 from gpubroker import daemon
 
@@ -166,3 +167,24 @@ def test_a_broker_started_with_sighup_ignored_goes_on_after_one(broker_process: 
     broker.proc.send_signal(signal.SIGHUP)  # an ignored signal is dropped as it is sent
     assert broker.client().call("GET", "/healthz")["ok"] is True
     assert broker.proc.poll() is None
+
+
+def test_leases_held_when_gpubroker_init_gives_the_node_its_identity_are_then_that_nodes(
+    broker_process: type[BrokerProcess],
+) -> None:
+    """A lone broker's node id is made up by its store; `gpubroker init` (or a join) gives it the identity's. The leases
+    it held went on naming the old id, a node no member knows: `leases --node` of this node left them out."""
+    broker = broker_process("1x24GiB", ["--no-mdns", "--gossip", f"127.0.0.1:{free_port()}"]).start()
+    lease = broker.client().call("POST", "/v1/leases", {"gpu_memory": "1GiB", "bind": "none", "ttl": "1h"})["lease"]
+    broker.stop()
+    made = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "init", "--state", str(broker.state)], capture_output=True, text=True, timeout=60
+    )
+    assert made.returncode == 0, made.stderr
+    broker.start()
+    node = broker.client().call("GET", "/v1/node")["node"]["id"]
+    assert node != lease["node"]
+    again = broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]
+    assert (again["state"], again["node"], again["epoch"]) == ("granted", node, lease["epoch"])
+    listed = broker.client().call("GET", "/v1/leases", query={"node": node})["leases"]
+    assert [x["id"] for x in listed] == [lease["id"]]

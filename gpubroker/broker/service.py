@@ -276,6 +276,10 @@ class Broker:
         self._lineage = await asyncio.to_thread(holders.broker_lineage)
         self.store.start()
         writes = [Write("meta", b"node_id", self.node_id), *history]
+        for lease in self.leases.values():
+            if lease.node != self.node_id:  # held since before `gpubroker init` or a join gave this node its identity
+                lease.node = self.node_id
+                writes.append(Write("leases", lease.id.encode(), lease.to_record()))
         for lease in [x for x in self.leases.values() if x.pgids]:
             writes += await self._check_groups(lease)
         now = self.clock.now()
