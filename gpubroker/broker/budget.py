@@ -130,26 +130,44 @@ class Budget:
         }
 
 
-def nearness(process: GpuProcess, lease: Lease) -> tuple[int, int] | None:
-    """How near a lease is to a process it owns, the nearest first; None when the lease does not own it. A lease's
-    processes are its holder, the holder's descendants, and its registered process groups.
+class Owners:
+    """Which live leases on one accelerator own which processes, indexed once per budget: by holder pid and by
+    registered group, so a process is matched by looking up its own line, not by asking every lease.
 
-    A process may be owned by several leases: leases nest (a `gpubroker lease -- CMD` inside another's CMD, a
-    program that takes a lease of its own from inside leased work), and then every enclosing lease's holder is
-    an ancestor. Its memory is the nearest one's: by the place in the process's line (itself, its parent, ...)
-    of the lease's holder or of the leader of a group registered with it. At one place a group comes before a
-    holder: a shell that ran work in the background and then exec'd the inner `gpubroker lease` is both that
-    work's group leader, for the outer lease, and the inner lease's holder. A group whose leader is gone, or
-    not in the line, comes after every holder in it."""
-    line = (process.pid, *process.ancestors)
-    near: tuple[int, int] | None = None
-    pid = lease.holder.pid
-    if pid is not None and pid in line and process.same_as(line.index(pid), lease.holder.start_time):
-        near = (line.index(pid), 1)
-    if process.pgid is not None and process.pgid in lease.pgids:
-        group = (line.index(process.pgid) if process.pgid in line else len(line), 0)
-        near = group if near is None else min(near, group)
-    return near
+    A lease's processes are its holder, the holder's descendants, and its registered process groups. A process may
+    be owned by several leases: leases nest (a `gpubroker lease -- CMD` inside another's CMD, a program that takes a
+    lease of its own from inside leased work), and then every enclosing lease's holder is an ancestor. Its memory is
+    the nearest one's: by the place in the process's line (itself, its parent, ...) of the lease's holder or of the
+    leader of a group registered with it. At one place a group comes before a holder: a shell that ran work in the
+    background and then exec'd the inner `gpubroker lease` is both that work's group leader, for the outer lease,
+    and the inner lease's holder. A group whose leader is gone, or not in the line, comes after every holder in it.
+    Where two leases are as near, the one held first owns it."""
+
+    def __init__(self, held: GpuLeases) -> None:
+        self._by_holder: dict[int, list[tuple[int, tuple[Lease, int]]]] = {}
+        self._by_group: dict[int, list[tuple[int, tuple[Lease, int]]]] = {}
+        for order, entry in enumerate(held.held.values()):
+            lease = entry[0]
+            if lease.holder.pid is not None:
+                self._by_holder.setdefault(lease.holder.pid, []).append((order, entry))
+            for pgid in lease.pgids:
+                self._by_group.setdefault(pgid, []).append((order, entry))
+
+    def of(self, process: GpuProcess) -> tuple[Lease, int] | None:
+        """The live lease here that owns a process, and what it declared here; None when none does."""
+        best: tuple[tuple[int, int, int], tuple[Lease, int]] | None = None
+        line = (process.pid, *process.ancestors)
+        if self._by_holder:
+            for place, pid in enumerate(line):
+                for order, entry in self._by_holder.get(pid, ()):
+                    if process.same_as(place, entry[0].holder.start_time) and (best is None or (place, 1, order) < best[0]):
+                        best = ((place, 1, order), entry)
+        if process.pgid is not None and process.pgid in self._by_group:
+            place = line.index(process.pgid) if process.pgid in line else len(line)
+            for order, entry in self._by_group[process.pgid]:
+                if best is None or (place, 0, order) < best[0]:
+                    best = ((place, 0, order), entry)
+        return None if best is None else best[1]
 
 
 def leases_by_gpu(leases: Iterable[Lease]) -> dict[str, GpuLeases]:
@@ -163,17 +181,6 @@ def leases_by_gpu(leases: Iterable[Lease]) -> dict[str, GpuLeases]:
     return by_uuid
 
 
-def _owner(process: GpuProcess, held: GpuLeases) -> tuple[Lease, int] | None:
-    """The live lease here that owns a process: the nearest of those that do (see `nearness`)."""
-    best: tuple[Lease, int] | None = None
-    best_near: tuple[int, int] | None = None
-    for entry in held.held.values():
-        near = nearness(process, entry[0])
-        if near is not None and (best_near is None or near < best_near):
-            best, best_near = entry, near
-    return best
-
-
 def compute_budgets(readings: Iterable[GpuReading], by_uuid: dict[str, GpuLeases], reserve: int) -> list[Budget]:
     return [compute_budget(reading, by_uuid.get(reading.uuid) or GpuLeases(), reserve) for reading in readings]
 
@@ -183,8 +190,10 @@ def compute_budget(reading: GpuReading, held: GpuLeases, reserve: int) -> Budget
     usage: dict[str, int] = {}
     excess = 0  # what leases' processes use beyond what they declared: a lease counts what it uses
     attributed: list[AttributedProcess] = []
+    owners: Owners | None = None  # made at the first process: most readings of a simulated GPU list none
     for process in reading.processes or ():
-        owner = _owner(process, held)
+        owners = owners or Owners(held)
+        owner = owners.of(process)
         attributed.append(AttributedProcess(process, owner[0].id if owner else None))
         if owner is not None and process.bytes:
             usage[owner[0].id] = usage.get(owner[0].id, 0) + process.bytes

@@ -1,0 +1,56 @@
+"""Which lease owns a GPU process: the rules of `Owners`, on hand-made leases and processes."""
+
+from __future__ import annotations
+
+from gpubroker.broker.budget import GpuLeases, Owners
+from gpubroker.broker.lease import Holder, Lease, LeasedGpu
+from gpubroker.broker.probes import GpuProcess
+
+MIB = 2**20
+
+
+def lease(lease_id: str, holder: int | None, pgids: tuple[int, ...] = (), started: float | None = None) -> Lease:
+    return Lease(
+        id=lease_id, node="n-test", state="granted", epoch=1, priority="batch", preemption="never", bind="none",
+        holder=Holder(name=lease_id, pid=holder, start_time=started), gpus=[LeasedGpu(0, "GPU-0", MIB, 1)], exclusive=False,
+        cpu_cores=0, memory=0, labels={}, token_hash="", requested_at=0.0, granted_at=0.0, expires_at=60.0, ttl=60.0,
+        pgids=list(pgids),
+    )  # fmt: skip
+
+
+def owners(*leases: Lease) -> Owners:
+    held = GpuLeases()
+    for one in leases:
+        held.add(one, MIB)
+    return Owners(held)
+
+
+def owner(of: Owners, process: GpuProcess) -> str | None:
+    found = of.of(process)
+    return None if found is None else found[0].id
+
+
+def test_the_nearest_lease_in_a_process_line_owns_it_and_the_first_held_where_two_are_as_near() -> None:
+    outer, inner, twin = lease("l-outer", 100), lease("l-inner", 200), lease("l-twin", 200)
+    of = owners(outer, inner, twin)
+    work = GpuProcess(300, "work", MIB, pgid=300, ancestors=(200, 100, 1))
+    assert owner(of, work) == "l-inner"  # its parent holds l-inner and l-twin; l-inner was held first
+    assert owner(of, GpuProcess(201, "beside", MIB, pgid=201, ancestors=(100, 1))) == "l-outer"
+    assert owner(of, GpuProcess(999, "elsewhere", MIB, pgid=999, ancestors=(1,))) is None
+
+
+def test_a_registered_group_comes_before_a_holder_at_the_same_place_and_after_every_holder_when_its_leader_is_gone() -> None:
+    shell = lease("l-outer", 100, pgids=(150,))
+    exec_d = lease("l-inner", 150)  # the shell that led group 150 exec'd the inner `gpubroker lease`
+    of = owners(shell, exec_d)
+    assert owner(of, GpuProcess(160, "background work", MIB, pgid=150, ancestors=(150, 100, 1))) == "l-outer"
+    grouped = owners(lease("l-group", None, pgids=(500,)), lease("l-holder", 100))
+    orphan = GpuProcess(501, "orphan", MIB, pgid=500, ancestors=(100, 1))  # its group's leader 500 is gone
+    assert owner(grouped, orphan) == "l-holder"
+
+
+def test_a_process_that_reuses_a_holders_pid_is_not_its_lease_s() -> None:
+    of = owners(lease("l-old", 100, started=1000.0))
+    assert owner(of, GpuProcess(100, "same", MIB, pgid=100, ancestors=(1,), started=(1000.0, 0.0))) == "l-old"
+    assert owner(of, GpuProcess(100, "reused", MIB, pgid=100, ancestors=(1,), started=(2000.0, 0.0))) is None
+    assert owner(of, GpuProcess(101, "child of reused", MIB, pgid=101, ancestors=(100, 1), started=(2001.0, 2000.0, 0.0))) is None
