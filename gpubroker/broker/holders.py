@@ -22,6 +22,16 @@ _BOOTED = psutil.boot_time()
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def boot_clock() -> tuple[str | None, float]:
+    """This boot's id (None where the kernel does not say), and the boot time every start time of this broker is on.
+    Kept in the store, so that a broker started again on the same boot after a step of the wall clock moves the start
+    times it holds onto its own scale, and one started after a reboot knows that no process it held survived."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip(), _BOOTED
+    except OSError:
+        return None, _BOOTED
+
+
 def start_time(pid: int) -> float | None:
     """When a process started (to tell it from a later process with the same pid), on the wall clock as it read when
     this broker started, whatever it reads now; None if it is gone."""

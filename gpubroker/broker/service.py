@@ -229,6 +229,7 @@ class Broker:
         self._event_seq = 0
         self._waiter_seq = 0
         self._stopping = False  # set by stop_waiting(): no request joins the queue any more
+        self._rebooted = False  # the machine restarted since the store was last written: no holder it names lives
         self._lineage: frozenset[int] = frozenset({1})  # this broker and its ancestors (holders.broker_lineage), read at start
         self._pressure: set[str] = set()  # accelerators (by UUID) under external pressure
         self._sampled = False  # whether a first reading was taken
@@ -275,7 +276,7 @@ class Broker:
         self._watch = holders.HolderWatch(asyncio.get_running_loop())
         self._lineage = await asyncio.to_thread(holders.broker_lineage)
         self.store.start()
-        writes = [Write("meta", b"node_id", self.node_id), *history]
+        writes = [Write("meta", b"node_id", self.node_id), *history, *self._onto_this_boot_clock(loaded.meta.get("clock"))]
         for lease in self.leases.values():
             if lease.node != self.node_id:  # held since before `gpubroker init` or a join gave this node its identity
                 lease.node = self.node_id
@@ -288,11 +289,15 @@ class Broker:
         # ends, since a group id is reused once its group is gone; those that end below are stopped by their end.
         window = self.config.kill_grace + RESTOP_WITHIN
         restop = [x for _, x in self.ended.values() if x.pgids and x.ended_at is not None and now - x.ended_at < window]
+        if self._rebooted:  # their groups ended with the machine; the ids may be others' now
+            restop = []
         for lease in list(self.leases.values()):
             if lease.expires_at <= now:
                 writes += self._end(lease, "expired", "not renewed before its expiry (while the broker was down)")
             elif lease.bind == "caller" and lease.holder.pid is not None:
-                if not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
+                if self._rebooted:
+                    writes += self._end(lease, "released", f"holder pid {lease.holder.pid} is gone: the machine restarted since")
+                elif not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
                     writes += self._end(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
         for lease in restop:
             self._spawn(self._stop_work(lease))
@@ -307,19 +312,50 @@ class Broker:
             self.start_warning = full.message
         await self.sample()
 
+    def _onto_this_boot_clock(self, stored: Any) -> list[Write]:
+        """The live leases' holder start times moved onto this run's scale, and this run's clock kept for the next.
+
+        Start times are the kernel's ticks since boot plus the boot time as this broker read it at its start, which a
+        step of the wall clock since the last run moves (NTP setting a board's clock): held as they were, every
+        caller-bound holder would seem gone, its lease released and its work stopped. On the same boot they move by
+        what the boot time moved; after a reboot no holder and no process group survived (`_rebooted`)."""
+        boot_id, booted = holders.boot_clock()
+        writes = [Write("meta", b"clock", {"boot_id": boot_id, "booted": booted})]
+        if not isinstance(stored, dict) or boot_id is None or not isinstance(stored.get("boot_id"), str):
+            return writes
+        if stored["boot_id"] != boot_id:
+            self._rebooted = True
+            return writes
+        before = stored.get("booted")
+        moved = booted - before if isinstance(before, int | float) else 0.0
+        for lease in self.leases.values() if moved else ():
+            if lease.holder.start_time is not None:
+                lease.holder.start_time += moved
+                writes.append(Write("leases", lease.id.encode(), lease.to_record()))
+        return writes
+
     async def _check_groups(self, lease: Lease) -> list[Write]:
         """At start, a stored lease keeps only the process groups still as they were registered: a store from
         an earlier broker may hold groups taken on a token alone (no owner recorded), and a group that is
         gone may have its id reused by anyone."""
         known = len(lease.pgid_uids) == len(lease.pgids)
-        kept = await asyncio.to_thread(holders.signalable_groups, lease.pgids, lease.pgid_uids) if known else []
+        if self._rebooted:  # none survived: a group with its id now is another's, and is never signalled for this lease
+            kept: list[int] = []
+        else:
+            kept = await asyncio.to_thread(holders.signalable_groups, lease.pgids, lease.pgid_uids) if known else []
         dropped = [pgid for pgid in lease.pgids if pgid not in kept]
         if not dropped:
             return []
         owner = dict(zip(lease.pgids, lease.pgid_uids, strict=False))
         lease.pgids, lease.pgid_uids = kept, [owner[pgid] for pgid in kept]
         self._changed(lease)
-        why = "registered with no owner recorded" if not known else "gone, or no longer all their owner's"
+        why = (
+            "the machine restarted since"
+            if self._rebooted
+            else "registered with no owner recorded"
+            if not known
+            else "gone, or no longer all their owner's"
+        )
         return [
             Write("leases", lease.id.encode(), lease.to_record()),
             self._event(

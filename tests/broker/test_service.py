@@ -1152,6 +1152,54 @@ async def test_a_holder_that_died_while_the_broker_was_down_is_released_on_start
     assert "exited while the broker was down" in ended["reason"]
 
 
+async def test_a_step_of_the_wall_clock_between_two_runs_leaves_a_living_holder_its_lease(
+    make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start times are the kernel's ticks since boot plus the boot time read at the broker's start, which NTP setting the
+    clock moves: a broker started again after such a step took every caller-bound holder for gone, released its lease
+    and stopped its work."""
+    node = await make_node()
+    lease, _ = await node.ask(ME, gpu_memory="2GiB", bind="caller")
+    held = node.broker.leases[lease["id"]].holder.start_time
+    assert held is not None
+    await node.broker.close()
+    booted = holders._BOOTED
+    monkeypatch.setattr(holders, "_BOOTED", booted + 3600)  # the clock was set an hour on between the two runs
+    await node.start()
+    assert node.broker.get(lease["id"])["state"] == "granted"
+    assert node.broker.leases[lease["id"]].holder.start_time == held + 3600
+    await node.broker.close()
+    monkeypatch.setattr(holders, "_BOOTED", booted)  # and back: the moved time was kept, with the clock it is on
+    await node.start()
+    assert node.broker.get(lease["id"])["state"] == "granted"
+    assert node.broker.leases[lease["id"]].holder.start_time == held
+
+
+async def test_after_a_reboot_no_holder_is_taken_for_alive_and_no_group_is_signalled(
+    make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a reboot the pids and process groups a lease names may be anyone's: a group with a registered id, owned by
+    the same user, was kept and stopped with the lease."""
+    node = await make_node()
+    work = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        lease, token = await node.ask(ME, gpu_memory="2GiB", bind="caller")
+        await node.broker.register_group(lease["id"], ME, token, work.pid)
+        await node.broker.close()
+        boot_id, booted = holders.boot_clock()
+        monkeypatch.setattr(holders, "boot_clock", lambda: ("another-boot", booted))  # this process and its group stand in for new ones
+        await node.start()
+        ended = node.broker.get(lease["id"])
+        assert ended["state"] == "released"
+        assert ended["reason"].startswith(f"holder pid {os.getpid()} is gone: the machine restarted since")
+        assert [e["details"]["pgids"] for e in await node.events("lease.groups_dropped")] == [[work.pid]]
+        await settle()
+        assert work.poll() is None  # not signalled: it is not the lease's work
+    finally:
+        work.kill()
+        work.wait()
+
+
 async def test_a_full_store_fails_requests_clearly_and_stays_readable(make_node: Callable[..., Any]) -> None:
     node = await make_node(store_size=256 * 2**10, events_kept=50, leases_kept=10)
     labels = {f"k{i}": "x" * 200 for i in range(30)}
