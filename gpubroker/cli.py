@@ -237,6 +237,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
     except ClientError as error:
         print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
         return 75 if error.status in (409, 429, 503) else 1
+    granted = time.monotonic()  # the broker granted it by now: its TTL has begun
     lease = answer["lease"]
     if not args.command:
         try:
@@ -263,7 +264,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
             )
             return 1
         return 0
-    return _run_under_lease(client, lease, args.command)
+    return _run_under_lease(client, lease, args.command, granted)
 
 
 class _Terminal:
@@ -340,7 +341,8 @@ class _Terminal:
             self._fd = None
 
 
-def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) -> int:
+def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], granted: float) -> int:
+    """Run CMD under the lease granted at `granted` (on the monotonic clock): renewed while CMD runs, released after."""
     token = {"X-Lease-Token": lease["token"]}
     patience = _patience(float(lease["ttl"]))
     gate = os.pipe()  # the lowest free descriptors: if the reading end is not GATE_FD, GATE_FD is open here
@@ -396,9 +398,10 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
             signal.signal(signum, forward)
     done = threading.Event()
     ttl = float(lease["ttl"])
-    # The latest the lease can last unless renewed again: a TTL after the last answer that extended it. The broker
-    # extended it at the latest then, so once this has passed with no renewal answered, the lease has run out.
-    runs_out = time.monotonic() + ttl
+    # The latest the lease can last unless renewed again: a TTL after the last answer that extended it (the grant's
+    # first). The broker extended it at the latest then, so once this has passed with no renewal answered, the lease has
+    # run out.
+    runs_out = granted + ttl
 
     def renew() -> None:
         nonlocal runs_out
@@ -415,7 +418,9 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str]) 
                 _stop_group(child.pid, done)
                 return
             try:
-                renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token, timeout=patience)["lease"]
+                # A renewal still unanswered when the lease runs out is given up on then: CMD does not outlive it by a patience.
+                timeout = max(0.1, min(patience, runs_out - time.monotonic()))
+                renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token, timeout=timeout)["lease"]
             except ClientError as error:
                 print(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}", file=sys.stderr)
                 if error.status in (404, 409):  # the lease has ended: so does CMD, even if the broker could not see to it
