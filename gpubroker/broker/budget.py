@@ -141,17 +141,19 @@ class Owners:
     leader of a group registered with it. At one place a group comes before a holder: a shell that ran work in the
     background and then exec'd the inner `gpubroker lease` is both that work's group leader, for the outer lease,
     and the inner lease's holder. A group whose leader is gone, or not in the line, comes after every holder in it.
-    Where two leases are as near, the one held first owns it."""
+    Where two leases are as near, the one granted first (the lower lease epoch) owns it."""
 
     def __init__(self, held: GpuLeases) -> None:
         self._by_holder: dict[int, list[tuple[int, tuple[Lease, int]]]] = {}
         self._by_group: dict[int, list[tuple[int, tuple[Lease, int]]]] = {}
-        for order, entry in enumerate(held.held.values()):
+        for entry in held.held.values():
+            # The order of grants is the lease epoch's, not the order held here: a restarted broker holds its leases in
+            # the store's order, by their random ids.
             lease = entry[0]
             if lease.holder.pid is not None:
-                self._by_holder.setdefault(lease.holder.pid, []).append((order, entry))
+                self._by_holder.setdefault(lease.holder.pid, []).append((lease.epoch, entry))
             for pgid in lease.pgids:
-                self._by_group.setdefault(pgid, []).append((order, entry))
+                self._by_group.setdefault(pgid, []).append((lease.epoch, entry))
 
     def of(self, process: GpuProcess) -> tuple[Lease, int] | None:
         """The live lease here that owns a process, and what it declared here; None when none does."""

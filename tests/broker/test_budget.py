@@ -9,9 +9,9 @@ from gpubroker.broker.probes import GpuProcess
 MIB = 2**20
 
 
-def lease(lease_id: str, holder: int | None, pgids: tuple[int, ...] = (), started: float | None = None) -> Lease:
+def lease(lease_id: str, holder: int | None, pgids: tuple[int, ...] = (), started: float | None = None, epoch: int = 1) -> Lease:
     return Lease(
-        id=lease_id, node="n-test", state="granted", epoch=1, priority="batch", preemption="never", bind="none",
+        id=lease_id, node="n-test", state="granted", epoch=epoch, priority="batch", preemption="never", bind="none",
         holder=Holder(name=lease_id, pid=holder, start_time=started), gpus=[LeasedGpu(0, "GPU-0", MIB, 1)], exclusive=False,
         cpu_cores=0, memory=0, labels={}, token_hash="", requested_at=0.0, granted_at=0.0, expires_at=60.0, ttl=60.0,
         pgids=list(pgids),
@@ -54,3 +54,13 @@ def test_a_process_that_reuses_a_holders_pid_is_not_its_lease_s() -> None:
     assert owner(of, GpuProcess(100, "same", MIB, pgid=100, ancestors=(1,), started=(1000.0, 0.0))) == "l-old"
     assert owner(of, GpuProcess(100, "reused", MIB, pgid=100, ancestors=(1,), started=(2000.0, 0.0))) is None
     assert owner(of, GpuProcess(101, "child of reused", MIB, pgid=101, ancestors=(100, 1), started=(2001.0, 2000.0, 0.0))) is None
+
+
+def test_the_first_held_of_two_as_near_owns_a_process_whatever_order_a_restarted_broker_holds_them_in() -> None:
+    """A restarted broker holds its leases in the store's order, by their random ids: the process's memory went to
+    whichever id sorted first, and moved from one lease to the other across a restart."""
+    first, second = lease("l-ffff", 200, epoch=7), lease("l-0000", 200, epoch=8)
+    of = owners(second, first)  # as loaded: "l-0000" sorts first
+    assert owner(of, GpuProcess(300, "work", MIB, pgid=300, ancestors=(200, 1))) == "l-ffff"
+    grouped = owners(lease("l-0000", None, pgids=(500,), epoch=8), lease("l-ffff", None, pgids=(500,), epoch=7))
+    assert owner(grouped, GpuProcess(501, "work", MIB, pgid=500, ancestors=(1,))) == "l-ffff"
