@@ -95,6 +95,9 @@ class Store:
         except _DAMAGE as error:
             raise StoreDamaged(self.damaged(str(error))) from None
         self._said: str | None = None  # what the log last said of failing writes
+        # Whether the last failure was the disk's, which space freed outside may end: a full map is not, and a write of
+        # the writer's own always fits in one (it rewrites pages freed by the last), while a grant's does not.
+        self._disk_failed = False
         self.failures = 0  # transactions the disk refused (full, or a fault), for /metrics: only grows
         try:
             self._check_length()
@@ -204,7 +207,7 @@ class Store:
             try:
                 # While writes fail, the writer also tries one of its own now and then: freed space on an idle broker
                 # is seen (in /healthz, in the log) without waiting for a request to fail or succeed.
-                first = self._queue.get(timeout=RECHECK_EVERY if self._said is not None else None)
+                first = self._queue.get(timeout=RECHECK_EVERY if self._said is not None and self._disk_failed else None)
             except queue.Empty:
                 self._recheck()
                 continue
@@ -259,6 +262,7 @@ class Store:
             self._failing(None)
             return None
         except lmdb.MapFullError:
+            self._disk_failed = False
             size = self._env.info()["map_size"]
             return self._failing(
                 StoreFull(
@@ -269,6 +273,7 @@ class Store:
             )
         except Exception as error:  # a disk fault: the writes did not happen, the callers hear so,
             # and the writer lives on for the next batch.
+            self._disk_failed = True
             problem = f"{type(error).__name__}: {error}"
             if "No space left" in str(error) or self._disk_full():  # a write cut short by a full disk is EIO to LMDB
                 problem = f"the disk of {self._path} is full ({problem}); free space on the disk of {self._path}"
@@ -288,7 +293,10 @@ class Store:
 
     def _recheck(self) -> None:
         """A write of the time it was tried: once it succeeds, the store says it can be written again. Its failure
-        is not counted nor said again: nobody asked for it."""
+        is not counted nor said again: nobody asked for it. Not while the disk is still full: a write of its own may
+        fit in pages freed by the last one, where a grant's needs new ones."""
+        if self._disk_full():
+            return
         try:
             with self._env.begin(write=True) as txn:
                 txn.put(b"written_at", self._pack(time.time()), db=self._db["meta"])

@@ -137,21 +137,47 @@ async def test_a_store_whose_write_failed_says_once_it_can_be_written_again_with
     """Space freed under an idle broker: /healthz said `store_error`, and the log that writes failed, until a request
     happened to come; an operator who had freed space saw no change."""
     monkeypatch.setattr(store_module, "RECHECK_EVERY", 0.05)
-    store = Store(tmp_path, 1 * 2**20)
+    store = Store(tmp_path, 16 * 2**20)
+    real = store._env
+    store._env = type("Env", (), {"begin": lambda self, write=False: _FailingCommit()})()  # the disk fails its writes
     store.start()
     try:
         with pytest.raises(StoreFull):
-            await store.commit([Write("meta", f"big{i}".encode(), {"pad": "x" * 200_000}) for i in range(8)])
+            await store.commit(_put(1))
         assert store.failing is not None
+        store._env = real  # and works again, with no request coming
         for _ in range(400):  # at most 20 s: the writer tries again every RECHECK_EVERY
             if store.failing is None:
                 break
             await asyncio.sleep(0.05)
         assert store.failing is None
     finally:
+        store._env = real
         store.stop()
     assert capsys.readouterr().err.splitlines()[-1] == "gpubroker: the state store can be written again"
-    assert "big0" not in Store(tmp_path, 1 * 2**20).load().meta  # the failed write stays undone
+    assert "k1" not in Store(tmp_path, 16 * 2**20).load().meta  # the failed write stays undone
+
+
+async def test_a_full_store_is_not_said_to_be_writable_again_because_a_small_write_of_its_own_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A write of the writer's own fits in the pages the last one freed: every 5 s of a full store, /healthz said it
+    was fine and the log that it could be written again, while every grant was refused."""
+    monkeypatch.setattr(store_module, "RECHECK_EVERY", 0.01)
+    store = Store(tmp_path, 1 * 2**20)
+    store.start()
+    try:
+        for i in range(10_000):
+            try:
+                await store.commit([Write("leases", f"l-{i:08d}".encode(), {"pad": "x" * 2000})])
+            except StoreFull:
+                break
+        assert store.failing is not None
+        await asyncio.sleep(0.2)  # twenty rechecks' time
+        assert store.failing is not None
+    finally:
+        store.stop()
+    assert "can be written again" not in capsys.readouterr().err
 
 
 class _FailingCommit:
@@ -186,3 +212,25 @@ async def test_a_write_that_fails_on_a_full_disk_says_the_disk_is_full_whatever_
         store.stop()
     assert f"the disk of {tmp_path} is full" in failed.value.message
     assert f"free space on the disk of {tmp_path}" in failed.value.message
+
+
+async def test_a_store_on_a_disk_still_full_is_not_said_to_be_writable_again_because_a_small_write_of_its_own_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write of the writer's own may reuse freed pages where a grant needs new ones the full disk cannot give."""
+    monkeypatch.setattr(store_module, "RECHECK_EVERY", 0.01)
+    store = Store(tmp_path, 16 * 2**20)
+    real = store._env
+    store._env = type("Env", (), {"begin": lambda self, write=False: _FailingCommit()})()
+    disk = os.statvfs(tmp_path)
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((*disk[:4], 0, *disk[5:])))  # f_bavail 0
+    store.start()
+    try:
+        with pytest.raises(StoreFull):
+            await store.commit(_put(1))
+        store._env = real  # a small write would work: LMDB has pages to reuse
+        await asyncio.sleep(0.2)  # twenty rechecks' time
+        assert store.failing is not None
+    finally:
+        store._env = real
+        store.stop()
