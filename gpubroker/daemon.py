@@ -84,11 +84,15 @@ def owned_by_another(directory: Path) -> tuple[Path, str] | None:
     for place in (directory, *directory.resolve().parents):
         owner = place.stat().st_uid
         if owner not in (os.geteuid(), 0):
-            try:
-                return place, pwd.getpwuid(owner).pw_name
-            except KeyError:
-                return place, str(owner)
+            return place, _user_name(owner)
     return None
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _owned(directory: Path, taken: tuple[Path, str]) -> str:
@@ -111,6 +115,7 @@ def lock_state(state_dir: Path) -> int:
                 f"the state directory {state_dir} {_owned(state_dir, taken)} who could replace its store, cluster or keys; "
                 "give --state a directory of your own"
             )
+        _refuse_what_others_may_change_inside(state_dir)
         fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as error:
         raise StartError(f"cannot use {state_dir} as the state directory: {error.strerror}; give --state another directory") from None
@@ -120,6 +125,36 @@ def lock_state(state_dir: Path) -> int:
         os.close(fd)
         raise BrokerRunning(f"another broker is running on {state_dir}") from None
     return fd
+
+
+def _refuse_what_others_may_change_inside(state_dir: Path) -> None:
+    """A StartError naming the first thing in the state directory (a subdirectory such as identity/, a file, or where a
+    link leads) that another user owns or that is inside a directory they own, or a subdirectory every user may write:
+    made before the broker's first start, it would hold the node's private key, store or cluster where they could replace
+    or read them."""
+    for top, directories, files in os.walk(state_dir):
+        for name in (*directories, *files):
+            path = Path(top) / name
+            try:
+                taken = owned_by_another(path)
+                # A file others may write is reached only through the directories above it, checked here as well.
+                open_to_all = taken is None and path.is_dir() and writable_by_others(path)
+            except FileNotFoundError:
+                continue  # gone meanwhile, or a link to nothing: nothing of the broker's is kept there
+            except OSError as error:
+                raise StartError(f"cannot use {state_dir} as the state directory: {path}: {error.strerror}; remove {path}") from None
+            if taken is not None:
+                raise StartError(
+                    f"{path}, in the state directory {state_dir}, {_owned(path, taken)} who could replace or read the node's "
+                    f"store, cluster or keys; `chown -R {_user_name(os.geteuid())} {path}` if what it holds is the broker's, "
+                    "or remove it"
+                )
+            if open_to_all:
+                raise StartError(
+                    f"{path}, in the state directory {state_dir}, is writable by every user (mode "
+                    f"{stat.S_IMODE(path.stat().st_mode):o}): anyone could replace the node's store, cluster or keys; "
+                    f"`chmod o-w {path}`, or remove it"
+                )
 
 
 SOCKET_PATH_MAX = 107  # bytes: sun_path holds 108, the last a NUL

@@ -145,6 +145,44 @@ def test_a_socket_directory_another_user_made_first_is_refused_naming_them() -> 
             daemon.lock_state(state)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
+@pytest.mark.parametrize("inside", ["identity", "store/data.mdb", "cluster.json"])
+def test_what_another_user_owns_inside_the_state_directory_is_refused_naming_it(tmp_path: Path, inside: str) -> None:
+    """`mkdir -p S/identity && chown -R alice S/identity`, then `gpubroker init --state S` as root: the node's private
+    key went where alice could replace it (or read it, in a file of hers)."""
+    state = tmp_path / "state"
+    theirs = state / inside
+    theirs.parent.mkdir(parents=True, exist_ok=True)
+    if "." in inside:
+        theirs.touch()
+    else:
+        theirs.mkdir()
+    os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
+    with pytest.raises(daemon.StartError, match=rf"{theirs}, in the state directory {state}, belongs to user nobody, who could .*chown -R"):
+        daemon.lock_state(state)
+    assert not (state / "lock").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
+def test_a_state_subdirectory_linked_to_one_another_user_owns_is_refused_naming_them(tmp_path: Path) -> None:
+    home = tmp_path / "alice"
+    (home / "keys").mkdir(parents=True)
+    os.chown(home, pwd.getpwnam("nobody").pw_uid, -1)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "identity").symlink_to(home / "keys")
+    with pytest.raises(daemon.StartError, match=rf"{state}/identity, in the state directory {state}, is inside {home}, which belongs"):
+        daemon.lock_state(state)
+
+
+def test_a_state_subdirectory_every_user_may_write_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    (state / "ui").mkdir(parents=True)
+    (state / "ui").chmod(0o777)
+    with pytest.raises(daemon.StartError, match=rf"{state}/ui, in the state directory {state}, is writable by every user.*chmod o-w"):
+        daemon.lock_state(state)
+
+
 def test_sighup_stops_the_broker_as_sigterm_does_saying_so(broker_process: type[BrokerProcess]) -> None:
     """The terminal of a `gpubroker up` run in the foreground goes away (an ssh session ends), or an operator sends
     SIGHUP hoping for a reload: the broker stopped at once, with no word in its log, its socket left behind and its
