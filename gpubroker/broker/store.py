@@ -30,6 +30,10 @@ _KEY = struct.Struct(">Q")
 PRUNE_EVERY = 64  # history (events, ended leases) is dropped in groups of this many: fewer pages per commit
 DISK_FULL_UNDER = 2**20  # bytes free on the state directory's disk below which a failed write is put down to a full disk
 RECHECK_EVERY = 5.0  # seconds: how often a store whose last write failed, with nothing else to write, tries a write
+# Seconds without a failed write before a store whose writes failed says it can be written again. On a full disk,
+# small commits fit in pages LMDB frees while larger ones fail: under load they take turns, and saying each turn
+# (about 20 times for 500 grants) told an operator nothing but noise, and /healthz flipped with it.
+RECOVERED_AFTER = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +84,9 @@ class Store:
 
     TABLES = ("leases", "ended", "meta", "events")
 
-    def __init__(self, path: Path, map_size: int, events_kept: int = 10_000) -> None:
+    def __init__(self, path: Path, map_size: int, events_kept: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
         self._events_kept = events_kept
+        self._clock = clock  # read only while writes fail: a healthy commit costs no look at it
         path.mkdir(parents=True, exist_ok=True)
         self._path = path
         data = path / "store" / "data.mdb"
@@ -94,7 +99,10 @@ class Store:
             self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
         except _DAMAGE as error:
             raise StoreDamaged(self.damaged(str(error))) from None
-        self._said: str | None = None  # what the log last said of failing writes
+        self._said: str | None = None  # why writes fail, from the first failure until none has for RECOVERED_AFTER
+        self._reasons: set[str] = set()  # what the log has said of failing writes since they began to fail
+        self._failed_at = 0.0  # when the last write failed (the clock's seconds)
+        self._failed_since = 0  # transactions that failed since writes began to fail
         # Whether the last failure was the disk's, which space freed outside may end: a full map is not, and a write of
         # the writer's own always fits in one (it rewrites pages freed by the last), while a grant's does not.
         self._disk_failed = False
@@ -195,7 +203,8 @@ class Store:
 
     @property
     def failing(self) -> str | None:
-        """Why the last transaction could not be written, or None when it was (for /healthz)."""
+        """Why the last failed transaction could not be written, until none has failed for RECOVERED_AFTER seconds
+        (for /healthz); None otherwise. A write that succeeds between two failures does not clear it."""
         return self._said
 
     def submit(self, writes: list[Write]) -> None:
@@ -259,7 +268,8 @@ class Store:
                 # The commit below syncs without the GIL: the loop can work meanwhile (one wake-up for them all).
                 _call_on_loops([(batch.loop, batch.while_syncing) for batch in batches if batch.while_syncing is not None])
             self.commits += 1
-            self._failing(None)
+            if self._said is not None:  # healthy, a commit costs this look alone: no clock, no timer
+                self._written()
             return None
         except lmdb.MapFullError:
             self._disk_failed = False
@@ -292,27 +302,45 @@ class Store:
         return disk.f_bavail * disk.f_frsize < DISK_FULL_UNDER
 
     def _recheck(self) -> None:
-        """A write of the time it was tried: once it succeeds, the store says it can be written again. Its failure
-        is not counted nor said again: nobody asked for it. Not while the disk is still full: a write of its own may
-        fit in pages freed by the last one, where a grant's needs new ones."""
+        """A write of the time it was tried: once it succeeds, the store says it can be written again (it comes after
+        RECHECK_EVERY seconds in which nothing was written, so none failed). Its failure is not counted nor said
+        again, as nobody asked for it, but it puts off saying that writes work again. Not while the disk is still full:
+        a write of its own may fit in pages freed by the last one, where a grant's needs new ones."""
         if self._disk_full():
             return
         try:
             with self._env.begin(write=True) as txn:
                 txn.put(b"written_at", self._pack(time.time()), db=self._db["meta"])
         except Exception:
+            self._failed_at = self._clock()
             return
-        self._failing(None)
+        self._written(quiet=True)
 
-    def _failing(self, problem: StoreFull | None) -> StoreFull | None:
-        """The log says when writes start failing, and for what, and when they work again: once, not per request."""
-        said = None if problem is None else problem.message.partition(";")[0]
-        if problem is not None:
-            self.failures += 1
-        if said != self._said:
-            log_line(said if said is not None else "the state store can be written again")
-            self._said = said
+    def _failing(self, problem: StoreFull) -> StoreFull:
+        """The log says when writes start failing and for what (each reason once), not per request or per turn."""
+        said = problem.message.partition(";")[0]
+        self.failures += 1
+        self._failed_at = self._clock()
+        if self._said is None:
+            self._reasons.clear()
+            self._failed_since = 0
+        self._failed_since += 1
+        if said not in self._reasons:
+            log_line(said)
+            self._reasons.add(said)
+        self._said = said
         return problem
+
+    def _written(self, quiet: bool = False) -> None:
+        """A write that succeeded while writes fail: the log says they work again, with how many failed, once none has
+        failed for RECOVERED_AFTER seconds (`quiet`: none could have, as nothing was written meanwhile)."""
+        ago = self._clock() - self._failed_at
+        if quiet or ago >= RECOVERED_AFTER:
+            count = self._failed_since
+            log_line(
+                f"the state store can be written again: {count} {'write' if count == 1 else 'writes'} failed, the last {ago:.1f} s ago"
+            )
+            self._said = None
 
     def _prune_events(self, txn: lmdb.Transaction, db: Any, seq: int) -> None:
         """The log is bounded: every PRUNE_EVERY events, the oldest beyond events_kept go, together.

@@ -9,14 +9,19 @@ from typing import Any
 
 import lmdb
 import pytest
+from fakes import FakeClock
 
 from gpubroker.broker import store as store_module
-from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
+from gpubroker.broker.store import PRUNE_EVERY, RECOVERED_AFTER, Store, StoreDamaged, Write, seq_key
 from gpubroker.errors import StoreFull
 
 
 def _put(i: int) -> list[Write]:
     return [Write("meta", f"k{i}".encode(), {"i": i})]
+
+
+def _too_big() -> list[Write]:
+    return [Write("meta", f"big{i}".encode(), {"pad": "x" * 200_000}) for i in range(8)]  # more than a 1 MiB store holds
 
 
 async def test_writes_handed_over_together_are_made_durable_in_one_group(tmp_path: Path) -> None:
@@ -100,19 +105,66 @@ async def test_the_event_log_keeps_the_newest_events(tmp_path: Path, events_kept
 async def test_a_full_store_says_what_to_do_and_the_log_says_so_once_and_when_it_is_over(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    store = Store(tmp_path, 1 * 2**20)
+    clock = FakeClock()
+    store = Store(tmp_path, 1 * 2**20, clock=clock.elapsed)
     store.start()
     try:
-        big = [Write("meta", f"big{i}".encode(), {"pad": "x" * 200_000}) for i in range(8)]  # more than 1 MiB
         for _ in range(3):
             with pytest.raises(StoreFull) as full:
-                await store.commit(big)
+                await store.commit(_too_big())
         assert "Restart the broker with a larger store_size" in full.value.message
+        clock.advance(RECOVERED_AFTER)
         await store.commit(_put(1))  # a small write still fits
     finally:
         store.stop()
     logged = capsys.readouterr().err.splitlines()
-    assert logged == ["gpubroker: the state store is full (1.0 MiB)", "gpubroker: the state store can be written again"]
+    assert logged == [
+        "gpubroker: the state store is full (1.0 MiB)",
+        f"gpubroker: the state store can be written again: 3 writes failed, the last {RECOVERED_AFTER:.1f} s ago",
+    ]
+
+
+async def test_writes_failing_by_turns_are_said_once_with_their_count_and_over_only_once_none_fails_for_a_while(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk under load: small commits fit in pages LMDB frees, larger ones fail. The log said "could not be
+    written" and "can be written again" by turns, about 20 times for 500 grants, and /healthz flipped with it."""
+    clock = FakeClock()
+    looked: list[float] = []
+
+    def elapsed() -> float:
+        looked.append(clock.elapsed())
+        return clock.elapsed()
+
+    store = Store(tmp_path, 1 * 2**20, clock=elapsed)
+    store.start()
+    said: list[str | None] = []
+    try:
+        for i in range(5):
+            await store.commit(_put(i))
+        assert looked == []  # a healthy writer does not look at the clock
+        for i in range(10):
+            with pytest.raises(StoreFull):  # each request still hears the truth: this one failed...
+                await store.commit(_too_big())
+            said.append(store.failing)
+            clock.advance(1.0)
+            await store.commit(_put(i))  # ...and this one was written
+            said.append(store.failing)
+            clock.advance(1.0)
+        assert said == ["the state store is full (1.0 MiB)"] * 20  # /healthz never says healthy between two failures
+        clock.advance(RECOVERED_AFTER - 2.0 - 0.1)
+        await store.commit(_put(10))
+        assert store.failing is not None
+        clock.advance(0.1)
+        await store.commit(_put(11))
+        assert store.failing is None
+        assert store.failures == 10
+    finally:
+        store.stop()
+    assert capsys.readouterr().err.splitlines() == [
+        "gpubroker: the state store is full (1.0 MiB)",
+        f"gpubroker: the state store can be written again: 10 writes failed, the last {RECOVERED_AFTER:.1f} s ago",
+    ]
 
 
 async def test_a_store_cut_short_to_nothing_is_refused_not_begun_again_empty(tmp_path: Path) -> None:
@@ -154,7 +206,7 @@ async def test_a_store_whose_write_failed_says_once_it_can_be_written_again_with
     finally:
         store._env = real
         store.stop()
-    assert capsys.readouterr().err.splitlines()[-1] == "gpubroker: the state store can be written again"
+    assert capsys.readouterr().err.splitlines()[-1].startswith("gpubroker: the state store can be written again: 1 write failed")
     assert "k1" not in Store(tmp_path, 16 * 2**20).load().meta  # the failed write stays undone
 
 

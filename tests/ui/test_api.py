@@ -19,7 +19,7 @@ from fakes import GIB, FakeClock, FakeGpuProbe
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.service import Broker
-from gpubroker.broker.store import Store, Write
+from gpubroker.broker.store import RECOVERED_AFTER, Store, Write
 from gpubroker.client import ClientError
 from gpubroker.config import Config
 from gpubroker.errors import FailureCode, StoreFull
@@ -506,7 +506,8 @@ async def test_another_node_is_found_by_its_id_its_admitted_name_or_its_new_name
 async def test_healthz_and_metrics_say_when_the_store_cannot_be_written(tmp_path: Path) -> None:
     clock = FakeClock(NOW)
     config = Config(state_dir=tmp_path / "state", name="tower", store_size=2**20)
-    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    store = Store(config.state_dir, config.store_size, config.events_kept, clock=clock.elapsed)
+    broker = Broker(config, store, FakeGpuProbe(clock), clock)
     await broker.start()
     client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker)))
     await client.start_server()
@@ -523,7 +524,10 @@ async def test_healthz_and_metrics_say_when_the_store_cannot_be_written(tmp_path
         said, failures = await health()
         assert said == "the state store is full (1.0 MiB)"
         assert failures == "gpubroker_store_write_failures_total 1.0"
-        await broker.store.commit([Write("meta", b"small", 1)])  # it can be written again: said so, and the count stays
+        await broker.store.commit([Write("meta", b"small", 1)])  # one write that fits is not yet "written again"
+        assert await health() == (said, "gpubroker_store_write_failures_total 1.0")
+        clock.advance(RECOVERED_AFTER)
+        await broker.store.commit([Write("meta", b"small", 2)])  # none has failed for a while: said so, and the count stays
         assert await health() == (None, "gpubroker_store_write_failures_total 1.0")
     finally:
         await client.close()
