@@ -283,7 +283,10 @@ OPENAPI: dict[str, Any] = {
                                 "store_error": {
                                     "type": "string",
                                     "nullable": True,
-                                    "description": "why the state store could not write its last transaction (full, a disk fault)",
+                                    "description": (
+                                        "why the state store's writes fail (full, a disk fault): set at the first failure, cleared once "
+                                        "none has failed for 5 s"
+                                    ),
                                 },
                             },
                         },
