@@ -406,7 +406,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     def renew() -> None:
         nonlocal runs_out
         failed = False  # the last renewal failed, and was said to have: the next that works says so too
-        wait = ttl / 3
+        wait = max(0.0, granted + ttl / 3 - time.monotonic())  # a third of its TTL after the grant, not after CMD's start
         while not done.wait(wait):
             if time.monotonic() >= runs_out:
                 # The broker may expire it, grant its room to others, at any moment: CMD goes, as it would with the broker.
