@@ -230,7 +230,6 @@ class Broker:
         self._waiter_seq = 0
         self._stopping = False  # set by stop_waiting(): no request joins the queue any more
         self._rebooted = False  # the machine restarted since the store was last written: no holder it names lives
-        self._clock_moved = 0.0  # how far the wall clock was stepped since the store was last written, on the same boot
         self._lineage: frozenset[int] = frozenset({1})  # this broker and its ancestors (holders.broker_lineage), read at start
         self._pressure: set[str] = set()  # accelerators (by UUID) under external pressure
         self._sampled = False  # whether a first reading was taken
@@ -289,9 +288,7 @@ class Broker:
         # (between SIGTERM and SIGKILL), and it finishes the job: work never goes on without its lease. Only recent
         # ends, since a group id is reused once its group is gone; those that end below are stopped by their end.
         window = self.config.kill_grace + RESTOP_WITHIN
-        restop = [
-            x for _, x in self.ended.values() if x.pgids and x.ended_at is not None and 0 <= now - (x.ended_at + self._clock_moved) < window
-        ]
+        restop = [x for _, x in self.ended.values() if x.pgids and x.ended_at is not None and now - x.ended_at < window]
         if self._rebooted:  # their groups ended with the machine; the ids may be others' now
             restop = []
         for lease in list(self.leases.values()):
@@ -316,15 +313,12 @@ class Broker:
         await self.sample()
 
     def _onto_this_boot_clock(self, stored: Any) -> list[Write]:
-        """The live leases' times moved onto this run's wall clock, and this run's clock kept for the next.
+        """The live leases' holder start times moved onto this run's scale, and this run's clock kept for the next.
 
         Start times are the kernel's ticks since boot plus the boot time as this broker read it at its start, which a
         step of the wall clock since the last run moves (NTP setting a board's clock): held as they were, every
-        caller-bound holder would seem gone, its lease released and its work stopped. A lease's expiry moves with them:
-        the time it has left passed on the elapsed clock while the broker was down, not by the step, so a step forward
-        would expire every lease not renewed since. On the same boot they move by what the boot time moved
-        (`_clock_moved`, for the history's times too); after a reboot no holder and no process group survived
-        (`_rebooted`)."""
+        caller-bound holder would seem gone, its lease released and its work stopped. On the same boot they move by
+        what the boot time moved; after a reboot no holder and no process group survived (`_rebooted`)."""
         boot_id, booted = holders.boot_clock()
         writes = [Write("meta", b"clock", {"boot_id": boot_id, "booted": booted})]
         if not isinstance(stored, dict) or boot_id is None or not isinstance(stored.get("boot_id"), str):
@@ -333,14 +327,11 @@ class Broker:
             self._rebooted = True
             return writes
         before = stored.get("booted")
-        self._clock_moved = moved = booted - before if isinstance(before, int | float) else 0.0
+        moved = booted - before if isinstance(before, int | float) else 0.0
         for lease in self.leases.values() if moved else ():
             if lease.holder.start_time is not None:
                 lease.holder.start_time += moved
-            lease.granted_at += moved
-            lease.expires_at += moved
-            self._deadlines[lease.id] = self.clock.elapsed() + (lease.expires_at - self.clock.now())
-            writes.append(Write("leases", lease.id.encode(), lease.to_record()))
+                writes.append(Write("leases", lease.id.encode(), lease.to_record()))
         return writes
 
     async def _check_groups(self, lease: Lease) -> list[Write]:
