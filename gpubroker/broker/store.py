@@ -103,6 +103,9 @@ class Store:
         self._reasons: set[str] = set()  # what the log has said of failing writes since they began to fail
         self._failed_at = 0.0  # when the last write failed (the clock's seconds)
         self._failed_since = 0  # transactions that failed since writes began to fail
+        # A write succeeded after the last failure, while writes are still said to fail: the writer wakes once none
+        # has failed for RECOVERED_AFTER to say so, or an idle broker said "store_error" until its next request.
+        self._written_since = False
         # Whether the last failure was the disk's, which space freed outside may end: a full map is not, and a write of
         # the writer's own always fits in one (it rewrites pages freed by the last), while a grant's does not.
         self._disk_failed = False
@@ -216,9 +219,12 @@ class Store:
             try:
                 # While writes fail, the writer also tries one of its own now and then: freed space on an idle broker
                 # is seen (in /healthz, in the log) without waiting for a request to fail or succeed.
-                first = self._queue.get(timeout=RECHECK_EVERY if self._said is not None and self._disk_failed else None)
+                first = self._queue.get(timeout=self._wake_in())
             except queue.Empty:
-                self._recheck()
+                if self._written_since:  # nothing was written meanwhile, so nothing failed
+                    self._written(quiet=True)
+                else:
+                    self._recheck()
                 continue
             if first is None:
                 return
@@ -301,6 +307,14 @@ class Store:
             return False
         return disk.f_bavail * disk.f_frsize < DISK_FULL_UNDER
 
+    def _wake_in(self) -> float | None:
+        """How long the writer waits for a batch before it looks at the store on its own; None: until one comes."""
+        if self._said is None:
+            return None
+        if self._written_since:
+            return max(0.0, self._failed_at + RECOVERED_AFTER - self._clock())
+        return RECHECK_EVERY if self._disk_failed else None
+
     def _recheck(self) -> None:
         """A write of the time it was tried: once it succeeds, the store says it can be written again (it comes after
         RECHECK_EVERY seconds in which nothing was written, so none failed). Its failure is not counted nor said
@@ -313,6 +327,7 @@ class Store:
                 txn.put(b"written_at", self._pack(time.time()), db=self._db["meta"])
         except Exception:
             self._failed_at = self._clock()
+            self._written_since = False
             return
         self._written(quiet=True)
 
@@ -321,6 +336,7 @@ class Store:
         said = problem.message.partition(";")[0]
         self.failures += 1
         self._failed_at = self._clock()
+        self._written_since = False
         if self._said is None:
             self._reasons.clear()
             self._failed_since = 0
@@ -335,7 +351,9 @@ class Store:
         """A write that succeeded while writes fail: the log says they work again, with how many failed, once none has
         failed for RECOVERED_AFTER seconds (`quiet`: none could have, as nothing was written meanwhile)."""
         ago = self._clock() - self._failed_at
+        self._written_since = True
         if quiet or ago >= RECOVERED_AFTER:
+            self._written_since = False
             count = self._failed_since
             log_line(
                 f"the state store can be written again: {count} {'write' if count == 1 else 'writes'} failed, the last {ago:.1f} s ago"

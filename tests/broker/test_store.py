@@ -286,3 +286,25 @@ async def test_a_store_on_a_disk_still_full_is_not_said_to_be_writable_again_bec
     finally:
         store._env = real
         store.stop()
+
+
+async def test_an_idle_store_whose_last_write_succeeded_says_it_can_be_written_again_without_another_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full store, then leases released at once (written), then no request: /healthz said store_error for ever."""
+    monkeypatch.setattr(store_module, "RECOVERED_AFTER", 0.3)
+    store = Store(tmp_path, 1 * 2**20)
+    store.start()
+    try:
+        with pytest.raises(StoreFull):
+            await store.commit(_too_big())
+        await store.commit(_put(1))  # written before none has failed for a while: still said to fail
+        assert store.failing is not None
+        for _ in range(50):
+            if store.failing is None:
+                break
+            await asyncio.sleep(0.05)
+        assert store.failing is None
+    finally:
+        store.stop()
+    assert capsys.readouterr().err.splitlines()[-1].startswith("gpubroker: the state store can be written again: 1 write failed")
