@@ -65,6 +65,9 @@ class Lease:
     pgid_uids: list[int] = field(default_factory=list)  # the uid that owned each group when it was registered
     ended_at: float | None = None
     reason: str | None = None
+    # Its expiry on the elapsed clock (the boot's monotonic clock, the same in every process): a broker started again
+    # on the same boot finds how long it has left there, whatever steps of the wall clock did to `expires_at`.
+    deadline: float | None = None
 
     @property
     def live(self) -> bool:
@@ -123,7 +126,7 @@ class Lease:
             "exclusive": self.exclusive, "cpu_cores": self.cpu_cores, "memory": self.memory, "labels": self.labels,
             "token_hash": self.token_hash, "requested_at": self.requested_at, "granted_at": self.granted_at,
             "expires_at": self.expires_at, "ttl": self.ttl, "pgids": list(self.pgids), "pgid_uids": list(self.pgid_uids), "ended_at": self.ended_at,
-            "reason": self.reason,
+            "reason": self.reason, "deadline": self.deadline,
         }  # fmt: skip
 
     @classmethod

@@ -270,13 +270,18 @@ class Broker:
             self.ended[lease.id] = (key, lease)
             self._saw_epochs(lease)
         history = self._trim_history()  # the store may hold more than leases_kept: they go with a group
+        stored_deadlines = {lease.id: lease.deadline for lease in live}  # _hold reckons them from the wall clock
         for lease in live:
             self._hold(lease)
             self._saw_epochs(lease)
         self._watch = holders.HolderWatch(asyncio.get_running_loop())
         self._lineage = await asyncio.to_thread(holders.broker_lineage)
         self.store.start()
-        writes = [Write("meta", b"node_id", self.node_id), *history, *self._onto_this_boot_clock(loaded.meta.get("clock"))]
+        writes = [
+            Write("meta", b"node_id", self.node_id),
+            *history,
+            *self._onto_this_boot_clock(loaded.meta.get("clock"), stored_deadlines),
+        ]
         for lease in self.leases.values():
             if lease.node != self.node_id:  # held since before `gpubroker init` or a join gave this node its identity
                 lease.node = self.node_id
@@ -312,13 +317,15 @@ class Broker:
             self.start_warning = full.message
         await self.sample()
 
-    def _onto_this_boot_clock(self, stored: Any) -> list[Write]:
-        """The live leases' holder start times moved onto this run's scale, and this run's clock kept for the next.
+    def _onto_this_boot_clock(self, stored: Any, deadlines: dict[str, float | None]) -> list[Write]:
+        """The live leases' times moved onto this run's clocks, and this run's clock kept for the next.
 
         Start times are the kernel's ticks since boot plus the boot time as this broker read it at its start, which a
         step of the wall clock since the last run moves (NTP setting a board's clock): held as they were, every
         caller-bound holder would seem gone, its lease released and its work stopped. On the same boot they move by
-        what the boot time moved; after a reboot no holder and no process group survived (`_rebooted`)."""
+        what the boot time moved, and each lease's expiry is where its `deadline` on the boot's monotonic clock puts
+        it, whatever the wall clock did since it was granted or renewed: a step forward expired every lease not
+        renewed since. After a reboot no holder and no process group survived (`_rebooted`)."""
         boot_id, booted = holders.boot_clock()
         writes = [Write("meta", b"clock", {"boot_id": boot_id, "booted": booted})]
         if not isinstance(stored, dict) or boot_id is None or not isinstance(stored.get("boot_id"), str):
@@ -328,9 +335,18 @@ class Broker:
             return writes
         before = stored.get("booted")
         moved = booted - before if isinstance(before, int | float) else 0.0
-        for lease in self.leases.values() if moved else ():
-            if lease.holder.start_time is not None:
+        now, elapsed = self.clock.now(), self.clock.elapsed()
+        for lease in self.leases.values():
+            changed = False
+            if moved and lease.holder.start_time is not None:
                 lease.holder.start_time += moved
+                changed = True
+            deadline = deadlines.get(lease.id)
+            if isinstance(deadline, int | float) and abs(now + (deadline - elapsed) - lease.expires_at) > 1.0:
+                lease.expires_at = now + (deadline - elapsed)  # the wall clock was stepped since it was written
+                self._deadlines[lease.id] = lease.deadline = deadline
+                changed = True
+            if changed:
                 writes.append(Write("leases", lease.id.encode(), lease.to_record()))
         return writes
 
@@ -635,7 +651,7 @@ class Broker:
         # Its TTL runs on the elapsed clock: a step of the wall clock (NTP on a box without a real-time clock)
         # must not end a lease early or keep it past its TTL. Its stored expiry is the wall clock's, for display
         # and for a restart (while the broker was down, only the wall clock could tell).
-        self._deadlines[lease.id] = self.clock.elapsed() + (lease.expires_at - self.clock.now())
+        self._deadlines[lease.id] = lease.deadline = self.clock.elapsed() + (lease.expires_at - self.clock.now())
         self._leased_cores += lease.cpu_cores
         self._leased_memory += lease.memory
         for gpu in lease.gpus:
@@ -1109,12 +1125,13 @@ class Broker:
         self.authorize(lease, caller, token)
         renewed = replace(lease, ttl=ttl if ttl is not None else lease.ttl)
         renewed.expires_at = self.clock.now() + renewed.ttl
+        renewed.deadline = self.clock.elapsed() + renewed.ttl
         # The record as renewed goes to disk first; the lease changes only once it is there: a renewal refused
         # (STORE_FULL) leaves the lease as it was, in memory as on disk.
         await self.store.commit([Write("leases", lease.id.encode(), renewed.to_record())])
         if lease.live:
-            lease.ttl, lease.expires_at = renewed.ttl, renewed.expires_at
-            self._deadlines[lease.id] = self.clock.elapsed() + renewed.ttl
+            lease.ttl, lease.expires_at, lease.deadline = renewed.ttl, renewed.expires_at, renewed.deadline
+            self._deadlines[lease.id] = renewed.deadline
         return lease
 
     async def register_group(self, lease_id: str, caller: Caller, token: str | None, pgid: int) -> Lease:

@@ -1175,6 +1175,30 @@ async def test_a_step_of_the_wall_clock_between_two_runs_leaves_a_living_holder_
     assert node.broker.leases[lease["id"]].holder.start_time == held
 
 
+async def test_a_lease_keeps_its_time_left_across_a_restart_whatever_steps_of_the_wall_clock_came_before_or_after_its_grant(
+    make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expiries are wall-clock times on disk: a restart after NTP set the clock an hour on expired every lease not
+    renewed since and stopped its work; and a lease granted after a step during the run must not be moved by it again."""
+    node = await make_node()
+    before, _ = await node.ask(ME, gpu_memory="1GiB", bind="caller", ttl="10m")
+    node.clock.step(3600)  # NTP sets the clock an hour on while the broker runs,
+    after, _ = await node.ask(ME, gpu_memory="1GiB", bind="caller", ttl="10m")  # and a lease is granted after it
+    await node.broker.close()
+    node.clock.advance(60)  # a minute down,
+    node.clock.step(1800)  # and the clock set on again: the new process reads the boot time moved by both steps
+    monkeypatch.setattr(holders, "_BOOTED", holders._BOOTED + 5400)
+    await node.start()
+    for lease in (before, after):
+        assert node.broker.get(lease["id"])["state"] == "granted", lease["id"]  # 9 of their 10 minutes are left
+    node.clock.advance(9 * 60 - 1)
+    node.broker.sweep()
+    assert [node.broker.get(lease["id"])["state"] for lease in (before, after)] == ["granted", "granted"]
+    node.clock.advance(2)
+    node.broker.sweep()
+    assert [node.broker.get(lease["id"])["state"] for lease in (before, after)] == ["expired", "expired"]
+
+
 async def test_after_a_reboot_no_holder_is_taken_for_alive_and_no_group_is_signalled(
     make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
