@@ -240,7 +240,6 @@ class Broker:
         self._watch: holders.HolderWatch | None = None
         self._budgets: list[Budget] | None = None
         self._stale: set[str] = set()  # accelerators (by UUID) whose budget must be computed again
-        self._deadlines: dict[str, float] = {}  # each live lease's expiry on the elapsed clock
         self._on_gpu: dict[str, GpuLeases] = {}  # the live leases by accelerator UUID, kept as they come and go
         self._leased_cores = 0  # what the live leases hold of the host, kept as they come and go
         self._leased_memory = 0
@@ -344,7 +343,7 @@ class Broker:
             deadline = deadlines.get(lease.id)
             if isinstance(deadline, int | float) and abs(now + (deadline - elapsed) - lease.expires_at) > 1.0:
                 lease.expires_at = now + (deadline - elapsed)  # the wall clock was stepped since it was written
-                self._deadlines[lease.id] = lease.deadline = deadline
+                lease.deadline = deadline
                 changed = True
             if changed:
                 writes.append(Write("leases", lease.id.encode(), lease.to_record()))
@@ -649,9 +648,9 @@ class Broker:
     def _hold(self, lease: Lease) -> None:
         self.leases[lease.id] = lease
         # Its TTL runs on the elapsed clock: a step of the wall clock (NTP on a box without a real-time clock)
-        # must not end a lease early or keep it past its TTL. Its stored expiry is the wall clock's, for display
-        # and for a restart (while the broker was down, only the wall clock could tell).
-        self._deadlines[lease.id] = lease.deadline = self.clock.elapsed() + (lease.expires_at - self.clock.now())
+        # must not end a lease early or keep it past its TTL. Its deadline is stored with it, so a restart on the same
+        # boot finds it (`_onto_this_boot_clock`); its wall-clock expiry is for display, and for a start after a reboot.
+        lease.deadline = self.clock.elapsed() + (lease.expires_at - self.clock.now())
         self._leased_cores += lease.cpu_cores
         self._leased_memory += lease.memory
         for gpu in lease.gpus:
@@ -659,7 +658,6 @@ class Broker:
         self._changed(lease)
 
     def _unhold(self, lease: Lease) -> None:
-        self._deadlines.pop(lease.id, None)
         if self.leases.pop(lease.id, None) is not None:
             self._leased_cores -= lease.cpu_cores
             self._leased_memory -= lease.memory
@@ -1131,7 +1129,6 @@ class Broker:
         await self.store.commit([Write("leases", lease.id.encode(), renewed.to_record())])
         if lease.live:
             lease.ttl, lease.expires_at, lease.deadline = renewed.ttl, renewed.expires_at, renewed.deadline
-            self._deadlines[lease.id] = renewed.deadline
         return lease
 
     async def register_group(self, lease_id: str, caller: Caller, token: str | None, pgid: int) -> Lease:
@@ -1239,7 +1236,7 @@ class Broker:
         """Expire every lease whose TTL has run out (on the elapsed clock)."""
         writes: list[Write] = []
         elapsed = self.clock.elapsed()
-        for lease in [x for x in self.leases.values() if self._deadlines.get(x.id, 0.0) <= elapsed and x.live]:
+        for lease in [x for x in self.leases.values() if (x.deadline or 0.0) <= elapsed and x.live]:
             writes += self._end(lease, "expired", f"not renewed before its expiry {rfc3339(lease.expires_at)}")
         if writes:
             self._spawn(self._commit_quietly(self.store.commit(writes)))  # handed over now: events in seq order
