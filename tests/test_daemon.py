@@ -79,7 +79,12 @@ def test_a_socket_directory_every_user_may_write_is_refused_unless_sticky(tmp_pa
     daemon._free_socket(run / "api.sock")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to try the directories as another user")
+# The directories of another user are made, and tried, as root alone; CI and the development machines run as root, so
+# there these always run.
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make and try directories as another user")
+
+
+@as_root
 @pytest.mark.usefixtures("umask_000")
 def test_under_umask_000_another_user_can_neither_add_to_the_state_nor_replace_the_socket() -> None:
     # Not under tmp_path, whose parents only root may enter: here others reach what the broker makes, as /var/lib and /run.
@@ -109,7 +114,7 @@ def _attempts_of_nobody(top: Path) -> list[str]:
     return done.stdout.split()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
+@as_root
 def test_a_directory_inside_one_another_user_owns_is_refused_naming_them() -> None:
     """A root broker given a socket or state under another user's directory: that user may rename the directory the
     broker made there and put one of their own in its place."""
@@ -127,7 +132,7 @@ def test_a_directory_inside_one_another_user_owns_is_refused_naming_them() -> No
             daemon.lock_state(home / "state")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
+@as_root
 def test_a_socket_directory_another_user_made_first_is_refused_naming_them() -> None:
     """Made before the broker (or between its look and its mkdir) by another user, it is theirs: its mode lets only
     them write, and they could replace the socket where clients send their tokens."""
@@ -145,7 +150,7 @@ def test_a_socket_directory_another_user_made_first_is_refused_naming_them() -> 
             daemon.lock_state(state)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
+@as_root
 @pytest.mark.parametrize("inside", ["identity", "store/data.mdb", "cluster.json"])
 def test_what_another_user_owns_inside_the_state_directory_is_refused_naming_it(tmp_path: Path, inside: str) -> None:
     """`mkdir -p S/identity && chown -R alice S/identity`, then `gpubroker init --state S` as root: the node's private
@@ -163,7 +168,7 @@ def test_what_another_user_owns_inside_the_state_directory_is_refused_naming_it(
     assert not (state / "lock").exists()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to make a directory as another user")
+@as_root
 def test_a_state_subdirectory_linked_to_one_another_user_owns_is_refused_naming_them(tmp_path: Path) -> None:
     home = tmp_path / "alice"
     (home / "keys").mkdir(parents=True)

@@ -65,6 +65,16 @@ class Node:
         gpu: dict[str, Any] = self.broker.node_json()["gpus"][index]
         return gpu
 
+    async def event_once(self, type_: str) -> dict[str, Any]:
+        """The one event of this type, once it is recorded (some are recorded by a task of their own): within 10 s."""
+        for _ in range(200):
+            found = await self.events(type_)
+            if found:
+                break
+            await asyncio.sleep(0.05)
+        (event,) = found
+        return event
+
     async def events(self, type_: str | None = None) -> list[dict[str, Any]]:
         await self.broker.store.commit([])  # the writer is first in, first out: earlier events are now on disk
         found, _ = self.broker.events(0, 1000)
@@ -1595,12 +1605,7 @@ async def test_work_a_lease_left_running_is_stopped_with_an_event_and_its_reason
         holder.kill()
         holder.wait()
         assert await asyncio.to_thread(work.wait, 10) == -signal.SIGKILL
-        for _ in range(200):
-            stopped = await node.events("lease.work_stopped")
-            if stopped:
-                break
-            await asyncio.sleep(0.05)
-        (event,) = stopped
+        event = await node.event_once("lease.work_stopped")
         assert event["lease"] == lease["id"]
         assert event["details"] == {"pgids": [work.pid], "signal": "SIGKILL", "killed": [work.pid], "grace": 0.3}
         assert f"holder pid {holder.pid} exited" in event["message"]
@@ -1628,12 +1633,7 @@ async def test_work_that_ends_on_sigterm_is_said_to_have_been_stopped_by_it(make
         await node.broker.register_group(lease["id"], ME, token, work.pid)
         await node.broker.release(lease["id"], ME, token)
         assert await asyncio.to_thread(work.wait, 10) == -signal.SIGTERM
-        for _ in range(200):
-            stopped = await node.events("lease.work_stopped")
-            if stopped:
-                break
-            await asyncio.sleep(0.05)
-        (event,) = stopped
+        event = await node.event_once("lease.work_stopped")
         assert event["details"] == {"pgids": [work.pid], "signal": "SIGTERM", "killed": [], "grace": 30.0}
         assert (
             node.broker.get(lease["id"])["reason"]

@@ -544,25 +544,31 @@ async def test_the_leases_page_says_when_it_shows_only_some_of_this_nodes_leases
     assert "more than 5" not in granted
 
 
-async def test_the_leases_page_says_a_down_nodes_leases_are_as_it_last_listed_them(
-    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A dead node's last document still lists its leases: they read "granted" as if known now, past their expiry too."""
-    client, broker, _ = served
+def far_with_one_lease(broker: Broker, state: str, **document: Any) -> dict[str, Any]:
+    """The mesh's view of this node and a peer, "far", in `state`, whose document lists one granted lease, l-far-1
+    (`document`: more of its fields)."""
     now = broker.clock.now()
     granted = {
         "id": "l-far-1", "state": "granted", "holder": {"name": "far-job"}, "priority": "batch", "preemption": None,
         "gpus": [{"index": 0, "uuid": "GPU-far", "bytes": GIB}], "granted_at": now, "expires_at": now + 60,
     }  # fmt: skip
-    document = summarize(broker.node_json(), [granted])
+    far = {**summarize(broker.node_json(), [granted]), **document}
+    return {
+        "nodes": [
+            {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
+            {"id": "n-far", "name": "far", "self": False, "state": state, "age": 1.0, "document": far},
+        ],
+        "coordinator": None,
+    }
+
+
+async def test_the_leases_page_says_a_down_nodes_leases_are_as_it_last_listed_them(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead node's last document still lists its leases: they read "granted" as if known now, past their expiry too."""
+    client, broker, _ = served
     for state, said in (("dead", True), ("left", True), ("suspect", False), ("alive", False)):
-        view = {
-            "nodes": [
-                {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
-                {"id": "n-far", "name": "far", "self": False, "state": state, "age": 1.0, "document": document},
-            ],
-            "coordinator": None,
-        }
+        view = far_with_one_lease(broker, state)
         monkeypatch.setattr(pages, "cluster_view", lambda app, view=view: view)
         text = await (await client.get("/fragment/leases")).text()
         assert "l-far-1" in text
@@ -574,19 +580,7 @@ async def test_the_leases_page_says_how_many_leases_a_peers_document_does_not_li
 ) -> None:
     """A document lists as many leases as LEASES_ROOM holds and counts the rest: the page showed those it lists as all."""
     client, broker, _ = served
-    now = broker.clock.now()
-    granted = {
-        "id": "l-far-1", "state": "granted", "holder": {"name": "far-job"}, "priority": "batch", "preemption": None,
-        "gpus": [{"index": 0, "uuid": "GPU-far", "bytes": GIB}], "granted_at": now, "expires_at": now + 60,
-    }  # fmt: skip
-    document = summarize(broker.node_json(), [granted])
-    view = {
-        "nodes": [
-            {"id": broker.node_id, "name": "tower", "state": "alive", "self": True, "age": 0.0, **broker.node_json()},
-            {"id": "n-far", "name": "far", "self": False, "state": "alive", "age": 1.0, "document": {**document, "leases_not_listed": 40}},
-        ],
-        "coordinator": None,
-    }
+    view = far_with_one_lease(broker, "alive", leases_not_listed=40)
     monkeypatch.setattr(pages, "cluster_view", lambda app: view)
     text = await (await client.get("/fragment/leases")).text()
     assert "l-far-1" in text
