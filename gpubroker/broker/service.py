@@ -938,23 +938,19 @@ class Broker:
         await self._make_durable(lease, writes, None if while_syncing is None else lambda: while_syncing(lease, token))
         return lease, token
 
-    def _commit(self, writes: list[Write], answer: Callable[[], None] | None = None) -> asyncio.Future[None]:
-        """Hand a lease's change to the writer thread. While it syncs, the loop (idle but for this) prepares
-        the answer, then computes again the budgets the change made stale, so the next request finds them ready."""
-
-        def meanwhile() -> None:
-            if answer is not None:
-                answer()
-            self.budgets()
-
-        return self.store.commit(writes, meanwhile)
+    def _budgets_soon(self) -> None:
+        """Compute again the budgets a change made stale on the loop's next turn, once the answer that awaited the
+        change has left: the next request finds them ready, and the answer did not wait for them."""
+        asyncio.get_running_loop().call_soon(self.budgets)
 
     async def _make_durable(self, lease: Lease, writes: list[Write], answer: Callable[[], None] | None = None) -> None:
-        commit = self._commit(writes, answer)
+        # While the writer syncs, the loop (idle but for this) prepares the answer.
+        commit = self.store.commit(writes, answer)
         try:
             # Commit before replying: a crash in between must leave a lease without a
             # client, never a client without a lease.
             await commit
+            self._budgets_soon()
         except asyncio.CancelledError:
             # The client went away mid-commit: the lease must not outlive the request. Its end is handed to
             # the writer behind the grant (first in, first out): on disk they land together, or the grant first.
@@ -1059,7 +1055,7 @@ class Broker:
                 continue
             # Handed to the writer now, not a turn of the loop later: events reach the disk in the order of their
             # seqs, so a follower reading after=N never passes over one still on its way.
-            self._spawn(self._settle_waiter(waiter, lease, token, self._commit(writes)))
+            self._spawn(self._settle_waiter(waiter, lease, token, self.store.commit(writes)))
 
     async def _settle_waiter(self, waiter: Waiter, lease: Lease, token: str, commit: asyncio.Future[None]) -> None:
         try:
@@ -1069,6 +1065,7 @@ class Broker:
             if not waiter.granted.done():
                 waiter.granted.set_exception(error)
             return
+        self._budgets_soon()
         if not waiter.granted.done():
             waiter.granted.set_result((lease, token))
 
@@ -1203,7 +1200,7 @@ class Broker:
         was = (lease.state, lease.ended_at, lease.reason)
         writes = self._record_end(lease, "released", f"released by {who}") + self._trim_history()
         await self.store.commit(writes, on_settled=lambda error: self._released(lease, was, writes, error))
-        self.budgets()  # computed again now, so the next request finds them ready
+        self._budgets_soon()
         return lease
 
     def _released(self, lease: Lease, was: tuple[str, float | None, str | None], writes: list[Write], error: Exception | None) -> None:

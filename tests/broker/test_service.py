@@ -1488,13 +1488,19 @@ async def test_events_an_older_broker_wrote_are_served_as_they_were_written(make
     assert (found[-1]["type"], found[-1]["time"]) == ("broker.started", rfc3339(node.clock.now()))
 
 
-async def test_the_budgets_a_release_changes_are_computed_again_before_it_is_answered(make_node: Callable[..., Any]) -> None:
+async def test_the_budgets_a_grant_or_release_changes_are_computed_again_once_it_is_answered(make_node: Callable[..., Any]) -> None:
     node = await make_node(sizes=[24 * GIB, 24 * GIB])
     lease, token = await node.ask(gpu_memory="10GiB")
     index = lease["gpus"][0]["index"]
-    await node.broker.release(lease["id"], TCP, token)
+    await asyncio.sleep(0)  # the loop's next turn: the answer has left
     assert node.broker._stale == set()  # the next request finds them ready: no budget to compute before deciding
-    assert node.broker.budgets()[index].figures.leased == 0
+    assert node.broker._budgets is not None
+    assert node.broker._budgets[index].figures.leased == 10 * GIB
+    await node.broker.release(lease["id"], TCP, token)
+    assert node.broker._stale == {lease["gpus"][0]["uuid"]}  # not before the answer: it did not wait for them
+    await asyncio.sleep(0)
+    assert node.broker._stale == set()
+    assert node.broker._budgets[index].figures.leased == 0
 
 
 async def test_a_sample_that_fails_unexpectedly_leaves_the_broker_running_and_saying_so(
