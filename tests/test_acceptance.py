@@ -474,7 +474,8 @@ def test_a_broker_whose_gpu_reading_hangs_answers_on_refuses_gpus_as_stale_and_s
     def feed() -> None:
         while not hang.is_set():
             with contextlib.suppress(BrokenPipeError), sim.open("w") as out:  # a reader gone at once: the test's end
-                out.write(SIMULATION.format(used="1GiB"))
+                # A reading may span several of these writes: GPUs alone, so that any number of copies is still a machine.
+                out.write('[[gpu]]\nmemory = "24GiB"\n')
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()

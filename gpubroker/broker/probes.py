@@ -15,7 +15,6 @@ import contextlib
 import os
 import re
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import psutil
 
 from gpubroker.broker.holders import start_time
 from gpubroker.config import toml_document
-from gpubroker.units import UnitError, parse_size, printable_text
+from gpubroker.units import UnitError, gib, parse_size, printable_text
 
 
 class ProbeError(Exception):
@@ -155,36 +154,90 @@ def parse_gpu_spec(spec: str) -> list[_SimGpu]:
     return gpus
 
 
+_GPU_KEYS = ("name", "memory", "uuid", "unreadable")
+_PROCESS_KEYS = ("gpu", "pid", "name", "used")
+_UUID = re.compile(r"[^\s,]+")  # CUDA_VISIBLE_DEVICES is a comma-separated list: a UUID holds no comma, and is never empty
+
+
 def parse_gpu_file(data: bytes, source: str) -> tuple[list[_SimGpu], list[_SimProcess]]:
-    """GPUs and external processes from a simulation TOML file."""
+    """GPUs and external processes from a simulation TOML file; a ProbeError naming the table, the key and the
+    value of the first thing that describes no real machine (a key misspelt is refused, never left out)."""
     try:
         document = toml_document(data)
-        gpus = []
-        for index, table in enumerate(document.get("gpu", [])):
-            gpus.append(
-                _SimGpu(
-                    str(table.get("name", DEFAULT_SIM_NAME)),
-                    parse_size(table["memory"]),
-                    str(table.get("uuid", f"GPU-sim-{index}")),
-                    None if table.get("unreadable") is None else str(table["unreadable"]),
-                )
+    except ValueError as error:  # not TOML (tomllib's TOMLDecodeError), or not UTF-8
+        raise ProbeError(f"{source}: not a simulation file: {error}") from None
+    if unknown := sorted(set(document) - {"gpu", "process"}):
+        raise ProbeError(f"{source}: unknown {_listed(unknown)}; a simulation file holds [[gpu]] and [[process]] tables")
+    gpus = [_sim_gpu(table, f"{source}: GPU {index}", index) for index, table in enumerate(_tables(document, "gpu", source))]
+    for index, card in enumerate(gpus):
+        if card.uuid in [other.uuid for other in gpus[:index]]:  # leases are on a card by its UUID: two cards, two UUIDs
+            raise ProbeError(f"{source}: GPU {index} has the UUID {card.uuid!r} of an earlier GPU: give each its own")
+    processes = [
+        _sim_process(table, f"{source}: [[process]] table {number}", len(gpus))
+        for number, table in enumerate(_tables(document, "process", source), start=1)
+    ]
+    for index, card in enumerate(gpus):
+        used = sum(p.used for p in processes if p.gpu == index)
+        if used > card.memory:  # the driver never lists more in use than the card holds
+            raise ProbeError(
+                f"{source}: the processes on GPU {index} use {used} bytes ({gib(used)} GiB), more than its memory, "
+                f"{card.memory} bytes ({gib(card.memory)} GiB)"
             )
-        for index, card in enumerate(gpus):
-            if card.memory <= 0:
-                raise ProbeError(f"{source}: GPU {index} has memory {card.memory}: a GPU has more than 0 bytes")
-            if card.uuid in [other.uuid for other in gpus[:index]]:  # leases are on a card by its UUID: two cards, two UUIDs
-                raise ProbeError(f"{source}: GPU {index} has the UUID {card.uuid!r} of an earlier GPU: give each its own")
-        processes = []
-        for table in document.get("process", []):
-            gpu = int(table["gpu"])
-            if not 0 <= gpu < len(gpus):
-                raise ProbeError(f"{source}: process {table.get('name')!r} is on GPU {gpu}, which is not defined")
-            processes.append(_SimProcess(gpu, int(table["pid"]), str(table.get("name", "")), parse_size(table["used"])))
-    except ProbeError:
-        raise
-    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
-        raise ProbeError(f"{source}: not a simulation file ({type(error).__name__}: {error})") from None
     return gpus, processes
+
+
+def _listed(keys: list[str]) -> str:
+    return f"key{'s' * (len(keys) > 1)} {', '.join(repr(key) for key in keys)}"
+
+
+def _tables(document: dict[str, Any], kind: str, source: str) -> list[dict[str, Any]]:
+    tables = document.get(kind, [])
+    if not isinstance(tables, list) or not all(isinstance(table, dict) for table in tables):
+        raise ProbeError(f"{source}: {kind} must be [[{kind}]] tables, not {tables!r}")
+    return tables
+
+
+def _fields(table: dict[str, Any], kind: str, keys: tuple[str, ...], required: tuple[str, ...], where: str) -> None:
+    if unknown := sorted(set(table) - set(keys)):
+        raise ProbeError(f"{where}: unknown {_listed(unknown)}; a [[{kind}]] table takes {', '.join(keys)}")
+    if missing := [key for key in required if key not in table]:
+        raise ProbeError(f"{where}: no {' and no '.join(missing)} given; a [[{kind}]] table needs {', '.join(required)}")
+
+
+def _string(table: dict[str, Any], key: str, default: str, where: str) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str):
+        raise ProbeError(f"{where}: {key} {value!r} is not a string (quote it)")
+    return value
+
+
+def _size(table: dict[str, Any], key: str, where: str) -> int:
+    try:
+        return parse_size(table[key])
+    except UnitError as error:
+        raise ProbeError(f"{where}: {key}: {error}") from None
+
+
+def _sim_gpu(table: dict[str, Any], where: str, index: int) -> _SimGpu:
+    _fields(table, "gpu", _GPU_KEYS, ("memory",), where)
+    uuid = _string(table, "uuid", f"GPU-sim-{index}", where)
+    if not _UUID.fullmatch(uuid):
+        raise ProbeError(f"{where}: uuid {uuid!r} is not a UUID: give it without spaces or commas, as GPU-sim-{index}")
+    memory = _size(table, "memory", where)
+    if memory <= 0:
+        raise ProbeError(f"{where} has memory {memory}: a GPU has more than 0 bytes")
+    unreadable = None if table.get("unreadable") is None else _string(table, "unreadable", "", where)
+    return _SimGpu(_string(table, "name", DEFAULT_SIM_NAME, where), memory, uuid, unreadable)
+
+
+def _sim_process(table: dict[str, Any], where: str, gpus: int) -> _SimProcess:
+    _fields(table, "process", _PROCESS_KEYS, ("gpu", "pid", "used"), where)
+    gpu, pid = table["gpu"], table["pid"]
+    if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < gpus:
+        raise ProbeError(f"{where}: process {table.get('name')!r} is on GPU {gpu!r}, which is not defined (GPUs 0 to {gpus - 1})")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+        raise ProbeError(f"{where}: pid {pid!r} is not a process id (an integer from 1)")
+    return _SimProcess(gpu, pid, _string(table, "name", "", where), _size(table, "used", where))
 
 
 class SimulatedProbe:

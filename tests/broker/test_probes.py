@@ -57,6 +57,48 @@ def test_a_simulation_file_that_describes_no_real_machine_is_a_probe_error_that_
         SimulatedProbe(str(sim)).sample()
 
 
+@pytest.mark.parametrize(
+    ("gpus", "says"),
+    [
+        ('[[gpus]]\nmemory = "24GiB"\n', "gpus.toml: unknown key 'gpus'; a simulation file holds [[gpu]] and [[process]] tables"),
+        ('[[gpu]]\nmemroy = "24GiB"\nmemory = "24GiB"\n', "gpus.toml: GPU 0: unknown key 'memroy'; a [[gpu]] table takes name, memory"),
+        ('[[gpu]]\nname = "RTX"\n', "gpus.toml: GPU 0: no memory given; a [[gpu]] table needs memory"),
+        ('[[gpu]]\nmemory = "-5GiB"\n', "gpus.toml: GPU 0: memory: size '-5GiB' is not bytes or a number with a unit"),
+        ('[[gpu]]\nmemory = "24GiB"\nuuid = ""\n', "gpus.toml: GPU 0: uuid '' is not a UUID"),
+        ('[[gpu]]\nmemory = "24GiB"\nuuid = 7\n', "gpus.toml: GPU 0: uuid 7 is not a string (quote it)"),
+        ('[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = 0\npid = -1\nused = "1GiB"\n', "[[process]] table 1: pid -1 is not a process id"),
+        ('[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = "0"\npid = 9\nused = "1GiB"\n', "is on GPU '0', which is not defined"),
+        ('[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = 0\npid = 9\nused = "1e30GiB"\n', "[[process]] table 1: used: size '1e30GiB'"),
+        (
+            '[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = 0\npid = 9\nused = "50GiB"\n',
+            "the processes on GPU 0 use 53687091200 bytes (50.0 GiB), more than its memory, 25769803776 bytes (24.0 GiB)",
+        ),
+        ("gpu = 5\n", "gpus.toml: gpu must be [[gpu]] tables, not 5"),
+    ],
+    ids=[
+        "misspelt-table",
+        "misspelt-key",
+        "no-memory-key",
+        "negative-size",
+        "empty-uuid",
+        "uuid-not-text",
+        "negative-pid",
+        "gpu-as-text",
+        "absurd-size",
+        "more-used-than-the-card",
+        "gpu-not-a-table",
+    ],
+)
+def test_a_mistake_in_a_simulation_file_is_named_with_its_table_key_and_value_never_left_out(tmp_path: Path, gpus: str, says: str) -> None:
+    """A misspelt table used to make no GPU at all, a misspelt key or a text index went unseen, a pid of -1 stopped the
+    start with a traceback, and the rest were said as a Python exception naming no table."""
+    sim = tmp_path / "gpus.toml"
+    sim.write_text(gpus)
+    with pytest.raises(ProbeError) as refused:
+        SimulatedProbe(str(sim)).sample()
+    assert says in str(refused.value)
+
+
 def test_a_simulated_gpu_can_be_unreadable_as_a_card_fallen_off_the_bus(tmp_path: Path) -> None:
     sim = tmp_path / "gpus.toml"
     sim.write_text('[[gpu]]\nmemory = "24GiB"\n[[gpu]]\nmemory = "12GiB"\nunreadable = "GPU is lost (Xid 79)"\n')
