@@ -602,19 +602,18 @@ class Broker:
             why = "is no longer listed by the driver"
             if unknown:  # it may be the card that cannot say its UUID
                 why = f"is not among the GPUs read ({'; '.join(f'{gpu.label()} cannot be read: {gpu.error}' for gpu in unknown)})"
-            writes.append(
-                self._event(
-                    "gpu.missing",
-                    f"{uuid} {why}; leases {', '.join(sorted(on.held))} hold {gib(on.declared)} GiB on it "
-                    "and stay until released or expired, counted on no other GPU",
-                    gpu=uuid,
-                    details={"leases": sorted(on.held), "bytes": on.declared},
-                )
+            message = (
+                f"{uuid} {why}; leases {', '.join(sorted(on.held))} hold {gib(on.declared)} GiB on it "
+                "and stay until released or expired, counted on no other GPU"
             )
+            writes.append(self._event("gpu.missing", message, gpu=uuid, details={"leases": sorted(on.held), "bytes": on.declared}))
+            said.append(message)
         listed = {**{gpu.uuid: gpu.index for gpu in unreadable if gpu.uuid is not None}, **seen}
         for uuid in sorted((self._missing - missing) & listed.keys()):  # back, and read or not: it is listed again
             read = "" if uuid in seen else ", which cannot be read"
-            writes.append(self._event("gpu.found", f"{uuid} is listed by the driver again, as GPU {listed[uuid]}{read}", gpu=uuid))
+            message = f"{uuid} is listed by the driver again, as GPU {listed[uuid]}{read}"
+            writes.append(self._event("gpu.found", message, gpu=uuid))
+            said.append(message)
         self._missing = missing
         self.unreadable = list(unreadable)
         if log:

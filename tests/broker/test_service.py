@@ -622,6 +622,26 @@ async def test_a_lease_stays_on_its_card_by_uuid_when_the_driver_numbers_the_car
     assert node.gpu(1)["figures"]["leased"] == 20 * GIB
 
 
+async def test_a_leased_gpu_the_driver_stops_listing_is_said_in_the_log_and_again_when_it_is_back(
+    make_node: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a card that cannot be read is: a leased card gone from the driver's list (or from a simulation file being
+    edited) changes what the node can grant, and a service's journal is where an operator looks."""
+    node = await make_node([24 * GIB, 24 * GIB])
+    lease, _ = await node.ask(gpu_memory="20GiB", gpu=1)
+    capsys.readouterr()
+    node.probe.sizes = [24 * GIB]
+    await node.sample()
+    await node.sample()
+    node.probe.sizes = [24 * GIB, 24 * GIB]
+    await node.sample()
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpubroker: GPU-fake-1 is no longer listed by the driver; leases {lease['id']} hold 20.0 GiB on it "
+        "and stay until released or expired, counted on no other GPU",
+        "gpubroker: GPU-fake-1 is listed by the driver again, as GPU 1",
+    ]
+
+
 async def test_a_gpu_that_cannot_be_read_is_not_offered_while_the_others_are_brokered(make_node: Callable[..., Any]) -> None:
     """One card fallen off the bus (Xid 79) no longer stops the node: the card that can be read keeps its figures
     and its grants, the other is refused by name, its lease stays, counted on no other card."""
