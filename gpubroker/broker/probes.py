@@ -246,7 +246,8 @@ class SimulatedProbe:
     def __init__(self, spec_or_file: str, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         path = Path(spec_or_file)
-        self._path: Path | None = path if path.suffix == ".toml" or path.exists() else None
+        # A spec never holds a slash: a path to a file not there yet is said to be missing, not to be a bad size.
+        self._path: Path | None = path if path.suffix == ".toml" or path.exists() or "/" in spec_or_file else None
         self._gpus: list[_SimGpu] = [] if self._path else parse_gpu_spec(spec_or_file)
         if self._path:
             with contextlib.suppress(GpusUnreadable):  # a GPU the file says cannot be read is no fault of the file

@@ -99,6 +99,13 @@ def test_a_mistake_in_a_simulation_file_is_named_with_its_table_key_and_value_ne
     assert says in str(refused.value)
 
 
+def test_a_simulation_file_that_is_not_there_is_said_missing_whatever_its_name_ends_with(tmp_path: Path) -> None:
+    for name in ("gpus.toml", "gpus", "gpus.conf"):
+        with pytest.raises(ProbeError) as refused:
+            SimulatedProbe(str(tmp_path / name))
+        assert str(refused.value) == f"{tmp_path / name}: No such file or directory"  # not "size '/tmp/...' is not bytes"
+
+
 def test_a_simulated_gpu_can_be_unreadable_as_a_card_fallen_off_the_bus(tmp_path: Path) -> None:
     sim = tmp_path / "gpus.toml"
     sim.write_text('[[gpu]]\nmemory = "24GiB"\n[[gpu]]\nmemory = "12GiB"\nunreadable = "GPU is lost (Xid 79)"\n')
