@@ -315,11 +315,14 @@ def load_config(path: Path | None = None, **overrides: Any) -> Config:
             raise ConfigError(f"{path}: {error.strerror}") from None
         except ValueError as error:  # not TOML (tomllib's TOMLDecodeError), or not UTF-8
             raise ConfigError(f"{path}: {error}") from None
-        for name, value in document.items():
-            if name == "stamp":
-                values["stamps"] = _parse_stamps(value)
-            else:
-                values[name] = _parse_setting(name, value)
+        try:
+            for name, value in document.items():
+                if name == "stamp":
+                    values["stamps"] = _parse_stamps(value)
+                else:
+                    values[name] = _parse_setting(name, value)
+        except ConfigError as error:  # the same setting may also be given as a flag: say which was wrong
+            raise ConfigError(f"{path}: {error}") from None
     for name, value in overrides.items():
         if value is not None:
             values[name] = _parse_setting(name, value)

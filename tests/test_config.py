@@ -72,6 +72,19 @@ def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, named: str) -
         load_config(path)
 
 
+def test_a_mistake_in_the_file_names_the_file_and_one_in_a_flag_does_not(tmp_path: Path) -> None:
+    """A setting may be given in the file or as a flag (`--simulate-gpus`, `--listen`): the message says which to fix."""
+    path = tmp_path / "gpubroker.toml"
+    path.write_text('reserve = "-5GiB"\n')
+    with pytest.raises(ConfigError) as in_file:
+        load_config(path)
+    assert str(in_file.value) == f"{path}: setting reserve: size '-5GiB' is not bytes or a number with a unit (8GiB, 512MiB, 8GB)"
+    path.write_text('reserve = "2GiB"\n')
+    with pytest.raises(ConfigError) as in_flag:
+        load_config(path, listen="nowhere")
+    assert str(in_flag.value) == "setting listen: 'nowhere' is not HOST:PORT"
+
+
 def test_allowed_hosts_are_names_and_addresses_as_a_host_header_names_them(tmp_path: Path) -> None:
     path = tmp_path / "gpubroker.toml"
     path.write_text('allowed_hosts = ["tower.lan", "gpu-box_2", "10.0.0.5", "fe80::1"]\n')
