@@ -234,7 +234,8 @@ def _sim_process(table: dict[str, Any], where: str, gpus: int) -> _SimProcess:
     _fields(table, "process", _PROCESS_KEYS, ("gpu", "pid", "used"), where)
     gpu, pid = table["gpu"], table["pid"]
     if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < gpus:
-        raise ProbeError(f"{where}: process {table.get('name')!r} is on GPU {gpu!r}, which is not defined (GPUs 0 to {gpus - 1})")
+        defined = f"GPUs 0 to {gpus - 1}" if gpus > 1 else "GPU 0" if gpus else "no [[gpu]] table"
+        raise ProbeError(f"{where}: process {table.get('name')!r} is on GPU {gpu!r}, which is not defined ({defined})")
     if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
         raise ProbeError(f"{where}: pid {pid!r} is not a process id (an integer from 1)")
     return _SimProcess(gpu, pid, _string(table, "name", "", where), _size(table, "used", where))

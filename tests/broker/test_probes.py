@@ -67,13 +67,14 @@ def test_a_simulation_file_that_describes_no_real_machine_is_a_probe_error_that_
         ('[[gpu]]\nmemory = "24GiB"\nuuid = ""\n', "gpus.toml: GPU 0: uuid '' is not a UUID"),
         ('[[gpu]]\nmemory = "24GiB"\nuuid = 7\n', "gpus.toml: GPU 0: uuid 7 is not a string (quote it)"),
         ('[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = 0\npid = -1\nused = "1GiB"\n', "[[process]] table 1: pid -1 is not a process id"),
-        ('[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = "0"\npid = 9\nused = "1GiB"\n', "is on GPU '0', which is not defined"),
+        ('[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = "0"\npid = 9\nused = "1GiB"\n', "is on GPU '0', which is not defined (GPU 0)"),
         ('[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = 0\npid = 9\nused = "1e30GiB"\n', "[[process]] table 1: used: size '1e30GiB'"),
         (
             '[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = 0\npid = 9\nused = "50GiB"\n',
             "the processes on GPU 0 use 53687091200 bytes (50.0 GiB), more than its memory, 25769803776 bytes (24.0 GiB)",
         ),
         ("gpu = 5\n", "gpus.toml: gpu must be [[gpu]] tables, not 5"),
+        ('[[process]]\ngpu = 0\npid = 9\nused = "1GiB"\n', "is on GPU 0, which is not defined (no [[gpu]] table)"),
     ],
     ids=[
         "misspelt-table",
@@ -87,6 +88,7 @@ def test_a_simulation_file_that_describes_no_real_machine_is_a_probe_error_that_
         "absurd-size",
         "more-used-than-the-card",
         "gpu-not-a-table",
+        "process-without-gpus",
     ],
 )
 def test_a_mistake_in_a_simulation_file_is_named_with_its_table_key_and_value_never_left_out(tmp_path: Path, gpus: str, says: str) -> None:
