@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import unicodedata
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -595,10 +596,23 @@ def _print_leases(leases: list[dict[str, Any]]) -> None:
             tail = lease["expires_at"]
         else:
             tail = lease.get("reason") or ""
-        rows.append((lease["id"], lease["state"], lease["priority"], lease["holder"].get("name") or "-", gpus, tail))
-    widths = [max(len(row[column]) for row in rows) for column in range(5)]
+        holder = printable_text(lease["holder"].get("name") or "-")  # measured as it is printed: escapes and all
+        rows.append((lease["id"], lease["state"], lease["priority"], holder, gpus, tail))
+    widths = [max(_width(row[column]) for row in rows) for column in range(5)]
     for row in rows:
-        print("  ".join(f"{cell:{width}}" for cell, width in zip(row, widths, strict=False)) + f"  {row[5]}")
+        print("  ".join(_pad(cell, width) for cell, width in zip(row, widths, strict=False)) + f"  {row[5]}")
+
+
+def _width(text: str) -> int:
+    """The columns a text takes on a terminal: a wide character (CJK, most emoji) two, a combining mark none."""
+    return sum(
+        0 if unicodedata.category(char) in ("Mn", "Me") else 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1 for char in text
+    )
+
+
+def _pad(text: str, width: int) -> str:
+    """A table's cell filled with spaces to `width` columns on a terminal, as `f"{text:{width}}"` does by characters."""
+    return text + " " * max(0, width - _width(text))
 
 
 def _asked_gpus(request: dict[str, Any]) -> str:
@@ -717,9 +731,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         _print_json(answer)
         return 0
     for member in answer["members"]:
-        print(f"{member['id']}  {member['name'] or '-':20} {member['state']:8} admitted by {member['admitted_by'] or '-'}")
+        name = _pad(printable_text(member["name"] or "-"), 20)
+        print(f"{member['id']}  {name} {member['state']:8} admitted by {member['admitted_by'] or '-'}")
     for pending in answer["pending"]:
-        print(f"{pending['id']}  {pending['name'] or '-':20} pending  from {pending['addr']}")
+        print(f"{pending['id']}  {_pad(printable_text(pending['name'] or '-'), 20)} pending  from {pending['addr']}")
     for removed in answer["removed"]:
         print(f"{removed}  removed")
     return 0

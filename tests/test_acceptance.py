@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 
@@ -345,6 +346,29 @@ def test_the_cli_never_prints_a_control_character_it_was_given(broker_process: t
         [sys.executable, "-m", "gpubroker", "status", "--json"], env=broker.env, capture_output=True, text=True, timeout=30
     )
     assert json.loads(as_json.stdout)["node"]["gpus"][0]["processes"][0]["name"] == "evil\x1b[2J\rforged"  # JSON escapes it itself
+
+
+def test_leases_keeps_its_columns_aligned_on_a_terminal_with_wide_and_combining_characters_in_holder_names(
+    broker_process: type[BrokerProcess],
+) -> None:
+    """A CJK name takes two columns a character, a combining accent none: padded by characters, every column after
+    the holder's was pushed right on the line of a Japanese name, and left on the line of a decomposed "é"."""
+    broker = broker_process("1x24GiB").start()
+    for name in ("日本語の長い名前", "cafe\u0301-train", "plain"):
+        broker.client().call("POST", "/v1/leases", {"gpu_memory": "1GiB", "bind": "none", "holder": {"name": name}})
+    env = {**broker.env, "LC_ALL": "C"}
+    env.pop("PYTHONIOENCODING", None)
+    listing = subprocess.run([sys.executable, "-m", "gpubroker", "leases"], env=env, capture_output=True, text=True, timeout=30)
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.splitlines()
+    assert len(lines) == 4, lines
+
+    def column_of(line: str, text: str) -> int:
+        """The terminal column where `text` starts on a line (East Asian wide characters take two)."""
+        before = line[: line.index(text)]
+        return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) == "W" else 1 for c in before)
+
+    assert {column_of(line, "0:1.0") for line in lines[1:]} == {column_of(lines[0], "GPUS")}, listing.stdout
 
 
 def test_events_follow_waits_through_a_broker_restart_and_goes_on(broker_process: type[BrokerProcess], tmp_path: Path) -> None:
