@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import signal
@@ -242,8 +243,6 @@ def cmd_lease(args: argparse.Namespace) -> int:
     lease = answer["lease"]
     if not args.command:
         try:
-            if sys.stdout is None:
-                raise OSError("standard output is closed")
             if args.json:
                 _print_json(lease)
             else:
@@ -957,11 +956,26 @@ class _Escaping:
         return getattr(self._stream, name)
 
 
+class _Closed:
+    """Standard output closed before this process started (`gpubroker status >&-`): writing to it fails as writing to
+    a full disk does, so a command whose output is its point says it could not be written and exits 1, instead of
+    printing nothing and exiting 0 (or following events into nowhere for ever)."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed")
+
+    def flush(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
-def _escaped_output() -> Iterator[None]:
+def _escaped_output(output_needed: bool = True) -> Iterator[None]:
     saved = sys.stdout, sys.stderr
-    # A stream closed before this process started is None: printing to it does nothing, as Python does.
-    sys.stdout, sys.stderr = (None if stream is None else _Escaping(stream) for stream in saved)
+    # A stream closed before this process started is None: printing to it does nothing, as Python does, but for a
+    # standard output a command cannot do without. Standard error closed is for the caller to have wanted.
+    out, err = saved
+    sys.stdout = _Escaping(out) if out is not None else _Closed() if output_needed else None
+    sys.stderr = None if err is None else _Escaping(err)
     try:
         yield
     finally:
@@ -976,7 +990,8 @@ def main(argv: list[str] | None = None) -> int:
             print("gpubroker lease: error: -- is to be followed by CMD [ARGS]", file=sys.stderr)
             return 2
     try:
-        with _escaped_output():
+        # A broker's output is its log, and CMD's is CMD's own: both run with standard output closed if so started.
+        with _escaped_output(output_needed=args.run is not cmd_up and not getattr(args, "command", None)):
             code: int = args.run(args)
         if sys.stdout is not None:
             sys.stdout.flush()  # a reader gone away is met here, not in the interpreter's exit

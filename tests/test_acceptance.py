@@ -138,6 +138,23 @@ def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cl
         assert (unknown.returncode, unknown.stderr.split(":")[1].strip()) == (1, "NOT_FOUND"), unknown.stderr
 
 
+def test_a_listing_with_its_standard_output_closed_says_it_could_not_be_written_and_fails(broker_process: type[BrokerProcess]) -> None:
+    """`gpubroker status >&-` printed nothing and exited 0, as if all was well, and `events --follow >&-` followed
+    events into nowhere for ever: a closed standard output now fails as a full disk does."""
+    broker = broker_process("1x24GiB").start()
+    for listing in (["status"], ["leases", "--json"], ["events"], ["events", "--follow", "--json"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "gpubroker", *listing],
+            env=broker.env,
+            stdout=None,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=30,
+            preexec_fn=lambda: os.close(1),
+        )
+        assert (done.returncode, done.stderr) == (1, "gpubroker: the output could not be written: standard output is closed\n"), listing
+
+
 def test_events_lists_every_kept_event_and_as_json_one_document(broker_process: type[BrokerProcess]) -> None:
     broker = broker_process("1x24GiB").start()
     client = broker.client()
