@@ -789,19 +789,29 @@ def cmd_token(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(Path(args.config) if args.config else None, state_dir=args.state)
+    except ConfigError as error:
+        print(f"gpubroker: {error}", file=sys.stderr)
+        return 2
+    try:
         if not config.state_dir.is_dir():  # a mistyped --state must not make a token no broker knows
             print(f"gpubroker: no state directory at {config.state_dir}: give the one the broker runs on (--state)", file=sys.stderr)
             return 2
-        print(load_or_create_api_token(config.state_dir))
-        if config.ui_password_hash is None:
-            print(
-                "gpubroker: the config read here sets no ui_password_hash, and a broker without one asks nobody for a token: "
-                "the token counts once `gpubroker password` has made one and it is in the broker's config",
-                file=sys.stderr,
-            )
-    except (ConfigError, OSError) as error:
-        print(f"gpubroker: {error}", file=sys.stderr)
+        token = load_or_create_api_token(config.state_dir)
+    except OSError as error:  # the broker's user's directory, read by another user: one line, not Python's errno
+        print(
+            f"gpubroker: cannot read the API token in {config.state_dir}: {error.strerror or error}; run this as the broker's "
+            "user, with the --state it runs on",
+            file=sys.stderr,
+        )
         return 2
+    # Written outside the handling of the token's file: a reader gone away or a full disk is said as by every command.
+    print(token)
+    if config.ui_password_hash is None:
+        print(
+            "gpubroker: the config read here sets no ui_password_hash, and a broker without one asks nobody for a token: "
+            "the token counts once `gpubroker password` has made one and it is in the broker's config",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -321,6 +321,29 @@ def test_token_with_a_mistyped_state_directory_makes_nothing(tmp_path: Path) -> 
     assert not typo.exists()
 
 
+def test_token_whose_reader_goes_away_or_whose_disk_is_full_says_so_as_every_command(tmp_path: Path) -> None:
+    """`gpubroker token | head -c 8` said `gpubroker: [Errno 32] Broken pipe` and exited 2, as if the token could not
+    be read; a full disk gave Python's errno too. A token that cannot be read is one line naming the directory."""
+    state = tmp_path / "state"
+    state.mkdir()
+    token = [sys.executable, "-m", "gpubroker", "token", "--state", str(state)]
+    piped = subprocess.Popen(token, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert piped.stdout is not None
+    piped.stdout.close()  # the reader gone before a word is written
+    _, stderr = piped.communicate(timeout=30)
+    assert (piped.returncode, stderr) == (141, b"")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(token, stdout=full, stderr=subprocess.PIPE, text=True, timeout=30)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == "gpubroker: the output could not be written: No space left on device"
+    other = tmp_path / "other"
+    (other / "ui").mkdir(parents=True)
+    (other / "ui" / "api_token").mkdir()  # not a file: the token cannot be read from it
+    unreadable = subprocess.run([*token[:-1], str(other)], capture_output=True, text=True, timeout=30)
+    assert (unreadable.returncode, unreadable.stdout) == (2, "")
+    assert unreadable.stderr.startswith(f"gpubroker: cannot read the API token in {other}: Is a directory;"), unreadable.stderr
+
+
 def test_a_stopped_broker_answers_its_waiting_requests_at_once_and_exits_promptly(broker_process: type[BrokerProcess]) -> None:
     """SIGTERM (systemd's stop) with a request waiting forever: the broker must not hang until the wait ends."""
     import threading
