@@ -8,6 +8,7 @@ import ctypes
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,7 +222,22 @@ def _gate_in_child(gate: int, die_with_parent: Callable[[], None]) -> Callable[[
     return prepare
 
 
+def _cannot_run(command: str) -> tuple[int, str] | None:
+    """Why CMD cannot be run, with the shell's exit code for it (127 not found, 126 not executable), or None."""
+    if shutil.which(command) is not None:  # as /bin/sh finds it: on PATH, or a path with a slash
+        return None
+    if os.sep in command and os.path.exists(command):
+        return 126, "it is a directory" if os.path.isdir(command) else "it is not executable"
+    return 127, "no such file" if os.sep in command else "command not found"
+
+
 def cmd_lease(args: argparse.Namespace) -> int:
+    if args.command and (cannot := _cannot_run(args.command[0])) is not None:
+        # Said before asking: a mistyped CMD (or a word taken for it, `--gpu-memory 8 GiB`) was found out only once the
+        # lease had been waited for and granted, in the words of the shell that starts CMD.
+        code, why = cannot
+        print(f"gpubroker: cannot run {args.command[0]}: {why}; no lease was asked for", file=sys.stderr)
+        return code
     client = Client(timeout=None)
     bind = "caller" if args.command else "none"
     if args.command and not client.endpoint.is_unix:
@@ -879,7 +895,8 @@ def parser() -> argparse.ArgumentParser:
         description="Get a lease. Without CMD, print it (its token and environment); it lives by its TTL and renewals. "
         "With -- CMD ARGS, run CMD with CUDA_VISIBLE_DEVICES (the granted GPUs' UUIDs), GPUBROKER_LEASE and "
         "GPUBROKER_GPU_MEMORY (bytes per GPU) set, renew the lease while CMD runs, release it when CMD exits, and exit "
-        "with CMD's exit code. The exit code is 75 when the lease is refused.",
+        "with CMD's exit code. The exit code is 75 when the lease is refused; 127 or 126 when CMD cannot be run (not found, "
+        "not executable), said before any lease is asked for.",
     )
     lease.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE", help="bytes per GPU: 8GiB, 512MiB")
     lease.add_argument("--gpus", type=int, help="how many GPUs (default 1 with --gpu-memory or --exclusive)")

@@ -479,6 +479,25 @@ def test_gpubroker_lease_with_cmd_over_tcp_says_it_needs_the_socket_before_askin
     assert broker.client().call("GET", "/v1/leases")["leases"] == []  # nothing was asked for
 
 
+def test_gpubroker_lease_with_a_cmd_that_cannot_be_run_says_so_before_asking_for_a_lease(
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+) -> None:
+    """A mistyped CMD, or a word taken for CMD (`--gpu-memory 8 GiB` runs `GiB`), was found out only once the lease had
+    been waited for and granted, by the shell that starts CMD: `GiB: 1: exec: GiB: not found`."""
+    broker = start_broker(gpubroker, broker_process)
+    script = tmp_path / "train.sh"
+    script.write_text("exit 0\n")  # not executable
+    for argv, code, said in (
+        (["--gpu-memory", "8", "GiB"], 127, "cannot run GiB: command not found"),
+        (["--cpu-cores", "1", "--", "no-such-command-anywhere", "arg"], 127, "cannot run no-such-command-anywhere: command not found"),
+        (["--cpu-cores", "1", "--", str(script)], 126, f"cannot run {script}: it is not executable"),
+        (["--cpu-cores", "1", "--", str(tmp_path)], 126, f"cannot run {tmp_path}: it is a directory"),
+    ):
+        done = subprocess.run([*gpubroker, "lease", "--wait", "forever", *argv], env=broker.env, capture_output=True, timeout=60)
+        assert (done.returncode, done.stderr.decode()) == (code, f"gpubroker: {said}; no lease was asked for\n"), argv
+    assert broker.client().call("GET", "/v1/leases")["leases"] == []  # nothing was asked for
+
+
 def test_gpubroker_lease_whose_output_cannot_be_written_releases_the_lease_it_got(
     gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
 ) -> None:
