@@ -70,7 +70,10 @@ def find_broker(env: dict[str, str] | None = None) -> Endpoint:
     url = env.get("GPUBROKER_URL")
     if url:
         if not _is_address(url):
-            raise ClientError(0, "INVALID_REQUEST", f"GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT")
+            address = url.partition("://")[2].split("/")[0]
+            bare = address.count(":") > 1 and "[" not in address  # http://::1:9740
+            hint = " (an IPv6 address goes in brackets: http://[::1]:9740)" if bare else ""
+            raise ClientError(0, "INVALID_REQUEST", f"GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT{hint}")
         return Endpoint(url)
     for path in (default_socket(), SYSTEM_SOCKET):
         if _listening(path):

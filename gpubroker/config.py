@@ -80,10 +80,14 @@ def _path(value: Any) -> Path:
 
 
 def _host_port(value: Any) -> str:
+    """HOST:PORT, an IPv6 address given bare (`::1:9740`) put in brackets: it is printed as a URL's address
+    (`http://[::1]:9740`), which a client refuses bare."""
     text = str(value)
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"{text!r} is not HOST:PORT")
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
     return text
 
 

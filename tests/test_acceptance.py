@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import unicodedata
@@ -429,6 +430,28 @@ def test_events_follow_waits_through_a_broker_restart_and_goes_on(broker_process
     finally:
         follower.terminate()
         follower.wait(10)
+
+
+def test_a_broker_listening_on_an_ipv6_address_given_bare_says_the_url_a_client_takes(broker_process: type[BrokerProcess]) -> None:
+    """`up --listen ::1:PORT` said `API on http://::1:PORT`, which GPUBROKER_URL refuses; and the client's refusal of
+    that URL did not say what was wrong with it."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    broker = broker_process("1x24GiB")
+    broker.extra = ["--listen", f"::1:{broker.port}"]
+    broker.start()
+    url = f"http://[::1]:{broker.port}"
+    assert f" and {url};" in broker.ready_line
+    env = {**broker.env, "GPUBROKER_URL": url}
+    status = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=env, capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0, status.stderr
+    bare = {**env, "GPUBROKER_URL": f"http://::1:{broker.port}"}
+    refused = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=bare, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1
+    assert refused.stderr.endswith("(an IPv6 address goes in brackets: http://[::1]:9740)\n"), refused.stderr
 
 
 def test_a_broker_url_naming_something_other_than_a_socket_says_so(tmp_path: Path) -> None:
