@@ -48,6 +48,7 @@ class Endpoint:
     """Where the broker is: `unix:PATH`, `http://HOST:PORT` or `https://HOST:PORT`."""
 
     url: str
+    searched: tuple[str, ...] = ()  # the sockets looked at first, where no GPUBROKER_URL named one
 
     @property
     def is_unix(self) -> bool:
@@ -75,10 +76,11 @@ def find_broker(env: dict[str, str] | None = None) -> Endpoint:
             hint = " (an IPv6 address goes in brackets: http://[::1]:9740)" if bare else ""
             raise ClientError(0, "INVALID_REQUEST", f"GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT{hint}")
         return Endpoint(url)
-    for path in (default_socket(), SYSTEM_SOCKET):
+    sockets = tuple(dict.fromkeys((default_socket(), SYSTEM_SOCKET)))  # one, for root without XDG_RUNTIME_DIR
+    for path in sockets:
         if _listening(path):
             return Endpoint(f"unix:{path}")
-    return Endpoint(DEFAULT_URL)
+    return Endpoint(DEFAULT_URL, searched=tuple(str(path) for path in sockets))
 
 
 def _is_address(url: str) -> bool:
@@ -132,6 +134,11 @@ class Client:
         path = self.endpoint.url.removeprefix("unix:") if self.endpoint.url.startswith("unix:") else None
         if path is not None and os.path.exists(path) and not stat.S_ISSOCK(os.stat(path).st_mode):
             return f"; {path} is not a socket: give the broker's --socket in GPUBROKER_URL"
+        if self.endpoint.searched:  # a broker on a socket or address of its own is found only where it is named
+            return (
+                f", nor on {' or '.join(self.endpoint.searched)}; start one with `gpubroker up`, or name the one running "
+                "elsewhere in GPUBROKER_URL (unix:PATH, its --socket, or http://HOST:PORT, its --listen)"
+            )
         return "; start one with `gpubroker up`"
 
     def call(

@@ -454,6 +454,23 @@ def test_a_broker_listening_on_an_ipv6_address_given_bare_says_the_url_a_client_
     assert refused.stderr.endswith("(an IPv6 address goes in brackets: http://[::1]:9740)\n"), refused.stderr
 
 
+def test_a_client_that_finds_no_broker_where_it_looks_says_where_it_looked(broker_process: type[BrokerProcess], tmp_path: Path) -> None:
+    """With a broker running on a socket and port of its own and no GPUBROKER_URL, the CLI said only that nothing
+    answers at http://127.0.0.1:9740, and to start a broker: it never named the sockets it looked at first, nor how
+    to name the broker that runs."""
+    broker = broker_process("1x24GiB").start()
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    env = {k: v for k, v in broker.env.items() if k != "GPUBROKER_URL"} | {"XDG_RUNTIME_DIR": str(runtime)}
+    lost = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=env, capture_output=True, text=True, timeout=30)
+    if lost.returncode == 0:
+        pytest.skip("a broker answers at this machine's default socket or address")
+    assert lost.returncode == 1
+    assert f"nor on {runtime}/gpubroker/api.sock or /run/gpubroker/api.sock;" in lost.stderr, lost.stderr
+    assert "GPUBROKER_URL (unix:PATH, its --socket, or http://HOST:PORT, its --listen)" in lost.stderr
+    assert len(lost.stderr.splitlines()) == 1
+
+
 def test_a_broker_url_naming_something_other_than_a_socket_says_so(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "gpubroker", "status"],
