@@ -70,6 +70,13 @@ def find_broker(env: dict[str, str] | None = None) -> Endpoint:
     env = dict(os.environ) if env is None else env
     url = env.get("GPUBROKER_URL")
     if url:
+        if "@" in url.partition("://")[2].split("/")[0]:  # not said back: what precedes the @ may be a password
+            raise ClientError(
+                0,
+                "INVALID_REQUEST",
+                "GPUBROKER_URL names a user (USER@HOST): the broker takes none in its address; give http(s)://HOST:PORT, "
+                "and the API token, where one is needed, in GPUBROKER_TOKEN",
+            )
         if not _is_address(url):
             address = url.partition("://")[2].split("/")[0]
             bare = address.count(":") > 1 and "[" not in address  # http://::1:9740

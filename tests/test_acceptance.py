@@ -471,6 +471,17 @@ def test_a_client_that_finds_no_broker_where_it_looks_says_where_it_looked(broke
     assert len(lost.stderr.splitlines()) == 1
 
 
+def test_a_broker_url_naming_a_user_and_password_is_refused_without_saying_the_password(tmp_path: Path) -> None:
+    """`http://alice:s3cret@127.0.0.1:9740` was taken whole for the host: "no broker answers at
+    http://alice:s3cret@... (Name or service not known)" put the password on the terminal and said nothing useful."""
+    env = {**os.environ, "GPUBROKER_URL": "http://alice:s3cret@127.0.0.1:9"}
+    refused = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=env, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1
+    assert "s3cret" not in refused.stderr
+    assert refused.stderr.startswith("gpubroker: INVALID_REQUEST: GPUBROKER_URL names a user (USER@HOST)"), refused.stderr
+    assert "GPUBROKER_TOKEN" in refused.stderr
+
+
 def test_a_broker_url_naming_something_other_than_a_socket_says_so(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "gpubroker", "status"],
