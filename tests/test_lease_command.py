@@ -274,10 +274,10 @@ def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_e
     """A broker stopped (SIGSTOP, a debugger, a hung disk) took `gpubroker lease` with it for as long as it was stopped,
     once CMD had ended: its release waited for an answer without end."""
     broker = start_broker(gpubroker, broker_process)
-    done = tmp_path / "done"
-    cmd = ["sh", "-c", 'while [ ! -e "$0" ]; do sleep 0.05; done', str(done)]
+    done, started = tmp_path / "done", tmp_path / "started"
+    cmd = ["sh", "-c", 'touch "$1"; while [ ! -e "$0" ]; do sleep 0.05; done', str(done), str(started)]
     holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "6s", "--", *cmd], broker.env)
-    wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    wait_for(started.exists, timeout=20.0)  # CMD runs once the broker's answer to its group's registration has come
     lease = granted_to(broker.client(), holder.pid)
     assert lease is not None
     assert broker.proc is not None
@@ -305,9 +305,12 @@ def test_cmd_is_stopped_once_its_lease_has_certainly_run_out_with_the_broker_ans
     """Work never goes on without its lease: with the broker stopped for good, CMD ran on unleased, its memory
     free for the broker to grant once it ran again, while `gpubroker lease` said only that renewals failed."""
     broker = start_broker(gpubroker, broker_process)
-    cmd = ["sh", "-c", 'trap "exit 3" TERM; sleep 600 & wait']
+    started = tmp_path / "started"
+    cmd = ["sh", "-c", f'trap "exit 3" TERM; touch {started}; sleep 600 & wait']
     holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "3s", "--", *cmd], broker.env)
-    wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    # CMD runs once `gpubroker lease` has the broker's answer to its group's registration: stopped before that answer
+    # left, the broker would fail the registration rather than the renewals.
+    wait_for(started.exists, timeout=20.0)
     lease = granted_to(broker.client(), holder.pid)
     assert lease is not None
     assert broker.proc is not None
