@@ -24,7 +24,7 @@ from gpubroker import __version__
 from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
-from gpubroker.units import gib, parse_duration, printable_text, rfc3339
+from gpubroker.units import UnitError, gib, parse_duration, parse_time, printable_text, rfc3339
 
 FOREVER = 10 * 365 * 86400
 
@@ -205,8 +205,24 @@ REQUEST_TIMEOUT = 10.0  # the longest wait for an answer to a renewal, a look or
 def _patience(ttl: float) -> float:
     """How long `gpubroker lease` waits for the broker's answer about a granted lease: a third of its TTL, at least
     1 s, at most REQUEST_TIMEOUT. A live broker answers in milliseconds, even while each commit waits 10-25 ms for a
-    busy disk; one silent for that long is stopped or wedged. The request for the lease itself waits as `--wait` says."""
+    busy disk; one silent for that long is stopped or wedged. The request for the lease itself: `_asking_patience`."""
     return min(REQUEST_TIMEOUT, max(1.0, ttl / 3))
+
+
+def _asking_patience(args: argparse.Namespace) -> float | None:
+    """How long `gpubroker lease` waits for the answer to its request: as long as the broker may keep it waiting in the
+    queue (`--wait`, `--deadline`, whichever ends first), and REQUEST_TIMEOUT more; with `--wait forever` and no
+    deadline, for ever. A value the broker will refuse is answered at once: REQUEST_TIMEOUT."""
+    limits: list[float] = []
+    with contextlib.suppress(UnitError):
+        if args.wait is not None and args.wait != "forever":
+            limits.append(parse_duration(args.wait))
+    with contextlib.suppress(UnitError):
+        if args.deadline is not None:
+            limits.append(max(0.0, parse_time(args.deadline) - time.time()))  # the broker's clock may differ: the margin covers it
+    if not limits and args.wait == "forever":
+        return None
+    return min(limits, default=0.0) + REQUEST_TIMEOUT
 
 
 def _gate_in_child(gate: int, die_with_parent: Callable[[], None]) -> Callable[[], None]:
@@ -251,9 +267,16 @@ def cmd_lease(args: argparse.Namespace) -> int:
         )
         return 1
     try:
-        answer = client.call("POST", "/v1/leases", _request_body(args, bind))
+        answer = client.call("POST", "/v1/leases", _request_body(args, bind), timeout=_asking_patience(args))
     except ClientError as error:
-        print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
+        said = f"gpubroker: {error.code}: {error.message}"
+        if error.code == "TIMEOUT":  # it may still grant the request, once it runs again
+            said += (
+                "; CMD was not started, and a lease granted later is released once the broker sees this process gone"
+                if args.command
+                else "; a lease granted later has no holder to give it back, and lives until its TTL runs out"
+            )
+        print(said, file=sys.stderr)
         return 75 if error.status in (409, 429, 503) else 1
     granted = time.monotonic()  # the broker granted it by now: its TTL has begun
     lease = answer["lease"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -272,6 +273,67 @@ def test_a_broker_that_goes_away_with_a_request_is_not_said_to_be_missing(tmp_pa
     assert "went away while it handled POST /v1/leases" in gone.value.message
     assert "look (`gpubroker leases`, `gpubroker events`) before asking again" in gone.value.message
     assert "start one" not in gone.value.message
+
+
+@pytest.mark.parametrize(
+    ("flags", "within", "then"),
+    [
+        ([], "0.5s", "a lease granted later has no holder to give it back, and lives until its TTL runs out"),
+        (["--wait", "1s"], "1.5s", "a lease granted later has no holder to give it back"),
+        (["--wait", "forever", "--deadline", "2000-01-01T00:00:00Z"], "0.5s", "lives until its TTL runs out"),
+        (["--", "true"], "0.5s", "CMD was not started, and a lease granted later is released once the broker sees this process gone"),
+    ],
+    ids=["answer-now", "wait", "deadline-passed", "cmd"],
+)
+def test_a_lease_request_the_broker_takes_and_never_answers_is_given_up_on_after_its_wait(
+    tmp_path: Path, monkeypatch: Any, capsys: Any, flags: list[str], within: str, then: str
+) -> None:
+    """A broker stopped (SIGSTOP, a debugger, a hung disk) still accepts on its socket: a lease asked for without
+    --wait waited on it for as long as it was stopped. Its wait in the queue and REQUEST_TIMEOUT more, then it is
+    given up on, saying what becomes of a lease granted later."""
+    path = tmp_path / "api.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    monkeypatch.setattr(cli, "REQUEST_TIMEOUT", 0.5)
+    monkeypatch.setenv("GPUBROKER_URL", f"unix:{path}")
+    never = threading.Timer(20.0, server.close)  # a request never given up on ends here, unanswered, not in a hung test
+    never.start()
+    try:
+        assert cli.main(["lease", "--gpu-memory", "1GiB", *flags]) == 1
+    finally:
+        never.cancel()
+        server.close()
+    said = capsys.readouterr().err
+    assert f"gpubroker: TIMEOUT: the broker at unix:{path} did not answer POST /v1/leases within {within} " in said
+    assert then in said
+
+
+def test_a_lease_that_waits_forever_waits_for_its_answer_as_long_as_the_broker_takes(tmp_path: Path, monkeypatch: Any) -> None:
+    """--wait forever: the broker keeps the request until room is free, however long; it is never given up on."""
+    path = tmp_path / "api.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    monkeypatch.setattr(cli, "REQUEST_TIMEOUT", 0.2)
+    monkeypatch.setenv("GPUBROKER_URL", f"unix:{path}")
+    lease = {"id": "l-1", "state": "granted", "epoch": 1, "gpus": [], "expires_at": "2026-01-01T00:00:00.000Z", "token": "t", "env": {}}
+
+    def answer_late() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            time.sleep(1.0)  # five times REQUEST_TIMEOUT: a wait in the queue
+            body = json.dumps({"lease": lease}).encode()
+            conn.sendall(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    taker = threading.Thread(target=answer_late)
+    taker.start()
+    try:
+        assert cli.main(["lease", "--gpu-memory", "1GiB", "--wait", "forever", "--json"]) == 0
+    finally:
+        taker.join(5)
+        server.close()
 
 
 def test_a_broker_that_takes_a_request_and_never_answers_is_given_up_on_and_a_slow_one_is_waited_for(tmp_path: Path) -> None:
