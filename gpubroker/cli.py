@@ -240,7 +240,13 @@ def _gate_in_child(gate: int, die_with_parent: Callable[[], None]) -> Callable[[
 
 def _cannot_run(command: str) -> tuple[int, str] | None:
     """Why CMD cannot be run, with the shell's exit code for it (127 not found, 126 not executable), or None."""
-    if shutil.which(command) is not None:  # as /bin/sh finds it: on PATH, or a path with a slash
+    path = os.environ.get("PATH")
+    if path is None and os.sep not in command:
+        # /bin/sh then searches a default of its own (dash's has /usr/sbin and /usr/local/bin, Python's has neither):
+        # whether CMD is there is for that shell to say, once the lease is granted, not for a guess to refuse.
+        return None
+    # An empty PATH is, to /bin/sh, the current directory; to shutil.which, nowhere.
+    if shutil.which(command, path=path or os.curdir) is not None:  # as /bin/sh finds it: on PATH, or a path with a slash
         return None
     if os.sep in command and os.path.exists(command):
         return 126, "it is a directory" if os.path.isdir(command) else "it is not executable"

@@ -227,6 +227,32 @@ def test_a_printed_lease_that_cannot_be_written_is_released_and_said_once(
     assert said == ["gpubroker: lease l-1 is released again: it could not be written out (No space left on device)"]
 
 
+@pytest.mark.parametrize("path", ["", None], ids=["path-empty", "path-unset"])
+def test_a_cmd_the_shell_would_find_is_not_refused_before_the_lease_is_asked_for(
+    path: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With PATH empty /bin/sh runs CMD from the current directory, and with PATH unset from a default path of its own
+    (dash's holds /usr/sbin and /usr/local/bin): such a CMD was refused as not found, and its work never ran."""
+    work = tmp_path / "train"
+    work.write_text("#!/bin/sh\nexit 0\n")
+    work.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    if path is None:
+        monkeypatch.delenv("PATH", raising=False)
+    else:
+        monkeypatch.setenv("PATH", path)
+    asked: list[str] = []
+
+    class Broker:
+        def __init__(self, timeout: float | None = None) -> None:
+            asked.append("lease")
+            raise ClientError(0, "UNREACHABLE", "no broker in this test")
+
+    monkeypatch.setattr(cli, "Client", Broker)
+    assert cli.main(["lease", "--cpu-cores", "1", "--", "train"]) == 1
+    assert asked == ["lease"]  # CMD was left for the shell to find: the lease was asked for
+
+
 def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
     remote = Client(Endpoint("http://10.233.0.2:9740"))
     remote.token = "SECRET-API-TOKEN"
