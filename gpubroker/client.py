@@ -70,7 +70,8 @@ def find_broker(env: dict[str, str] | None = None) -> Endpoint:
     env = dict(os.environ) if env is None else env
     url = env.get("GPUBROKER_URL")
     if url:
-        if "@" in url.partition("://")[2].split("/")[0]:  # not said back: what precedes the @ may be a password
+        # Not said back: what precedes the @ may be a password, and one holding a / (or ? or #) ends the address there.
+        if not url.startswith("unix:") and "@" in url:
             raise ClientError(
                 0,
                 "INVALID_REQUEST",

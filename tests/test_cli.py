@@ -275,6 +275,18 @@ def test_a_gpubroker_url_that_is_no_address_is_named_and_nothing_is_asked(
     assert said == f"gpubroker: INVALID_REQUEST: GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT\n"
 
 
+@pytest.mark.parametrize("url", ["http://alice:s3cr/et@127.0.0.1:9740", "https://alice:s3cr/et@[::1]:9740/"])
+def test_a_gpubroker_url_whose_password_holds_a_slash_is_refused_without_saying_it(
+    url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A / in the password ends the address before its @: the URL was refused as no address, and printed whole."""
+    monkeypatch.setenv("GPUBROKER_URL", url)
+    assert cli.main(["status"]) == 1
+    said = capsys.readouterr().err
+    assert "s3cr" not in said
+    assert said.startswith("gpubroker: INVALID_REQUEST: GPUBROKER_URL names a user (USER@HOST)"), said
+
+
 def test_a_broker_that_goes_away_with_a_request_is_not_said_to_be_missing(tmp_path: Path) -> None:
     """It was there and took the request: what it was asked may have been done (a grant on disk), so the user is told
     to look before asking again, not to start a broker."""
