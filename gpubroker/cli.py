@@ -1038,6 +1038,18 @@ def _escaped_output(output_needed: bool = True) -> Iterator[None]:
         sys.stdout, sys.stderr = saved
 
 
+def _output_needed(args: argparse.Namespace) -> bool:
+    """Whether a command's standard output is its point (a listing, a token, a printed lease), so that it fails when
+    that output is closed. A broker's output is its log and CMD's is CMD's own; an action (release, approve, a key's
+    use) says only that it was done, which its exit status says too: run with `>&-`, it must not be done and then
+    said to have failed."""
+    if args.run is cmd_up or getattr(args, "command", None):
+        return False
+    if args.run in (cmd_release, cmd_init, cmd_self_check):
+        return False
+    return getattr(args, "action", "list") == "list"  # nodes and keys: only their listing
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(_join_signed(sys.argv[1:] if argv is None else argv))
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
@@ -1046,8 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
             print("gpubroker lease: error: -- is to be followed by CMD [ARGS]", file=sys.stderr)
             return 2
     try:
-        # A broker's output is its log, and CMD's is CMD's own: both run with standard output closed if so started.
-        with _escaped_output(output_needed=args.run is not cmd_up and not getattr(args, "command", None)):
+        with _escaped_output(output_needed=_output_needed(args)):
             code: int = args.run(args)
         if sys.stdout is not None:
             sys.stdout.flush()  # a reader gone away is met here, not in the interpreter's exit

@@ -253,6 +253,29 @@ def test_a_cmd_the_shell_would_find_is_not_refused_before_the_lease_is_asked_for
     assert asked == ["lease"]  # CMD was left for the shell to find: the lease was asked for
 
 
+def test_a_release_with_its_standard_output_closed_is_done_and_exits_0_where_a_listing_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpubroker release ID >&-` released the lease, then exited 1 saying its output could not be written: a script
+    took the release for failed, and asking again was refused, the lease being released already."""
+    calls: list[tuple[str, str]] = []
+
+    class Broker:
+        def __init__(self, timeout: float | None = None) -> None: ...
+
+        def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+            calls.append((method, path))
+            return {"lease": {"id": "l-1", "state": "released", "reason": "released by uid 0"}, "leases": [], "waiting": []}
+
+    monkeypatch.setattr(cli, "Client", Broker)
+    monkeypatch.setattr(sys, "stdout", None)  # as Python starts with its standard output closed
+    assert cli.main(["release", "l-1"]) == 0
+    assert calls == [("DELETE", "/v1/leases/l-1")]
+    assert capsys.readouterr().err == ""
+    assert cli.main(["leases", "--json"]) == 1  # a listing's output is its point
+    assert capsys.readouterr().err == "gpubroker: the output could not be written: standard output is closed\n"
+
+
 def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
     remote = Client(Endpoint("http://10.233.0.2:9740"))
     remote.token = "SECRET-API-TOKEN"
