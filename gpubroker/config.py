@@ -87,6 +87,10 @@ def _host_port(value: Any) -> str:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"{text!r} is not HOST:PORT")
     if ":" in host and not host.startswith("["):
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:  # `::1` alone: its last group taken for the port would leave `[:]:1`
+            raise ValueError(f"{text!r} is not HOST:PORT (an IPv6 address goes in brackets, with its port: [::1]:9740)") from None
         return f"[{host}]:{port}"
     return text
 

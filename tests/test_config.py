@@ -85,6 +85,22 @@ def test_a_mistake_in_the_file_names_the_file_and_one_in_a_flag_does_not(tmp_pat
     assert str(in_flag.value) == "setting listen: 'nowhere' is not HOST:PORT"
 
 
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [(":::9740", "[::]:9740"), ("::1:9740", "[::1]:9740"), ("fe80::1%eth0:9740", "[fe80::1%eth0]:9740"), ("[::1]:0", "[::1]:0")],
+)
+def test_an_ipv6_listen_address_given_bare_is_kept_in_brackets(given: str, kept: str) -> None:
+    assert load_config(None, listen=given).listen == kept
+
+
+@pytest.mark.parametrize("given", ["::1", "fe80::1"])
+def test_an_ipv6_address_without_a_port_is_refused_not_read_as_another_address(given: str) -> None:
+    """`--listen ::1` (the loopback, no port) was read as host `:` port 1, and refused as `[:]:1` beyond the loopback."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, listen=given)
+    assert str(refused.value) == f"setting listen: {given!r} is not HOST:PORT (an IPv6 address goes in brackets, with its port: [::1]:9740)"
+
+
 def test_allowed_hosts_are_names_and_addresses_as_a_host_header_names_them(tmp_path: Path) -> None:
     path = tmp_path / "gpubroker.toml"
     path.write_text('allowed_hosts = ["tower.lan", "gpu-box_2", "10.0.0.5", "fe80::1"]\n')
