@@ -610,8 +610,9 @@ def the_jobs_lease(client: Client) -> tuple[dict[str, Any], int, int]:
     return lease, lease["holder"]["pid"], lease["process_groups"][0]
 
 
-def said_within(fd: int, timeout: float = 10.0) -> str:
-    """One line from a pipe, or what was there when `timeout` passed without its end."""
+def said_within(fd: int, timeout: float = 30.0) -> str:
+    """One line from a pipe, or what was there when `timeout` passed without its end (a limit for a loaded machine: a
+    line comes as soon as it is written)."""
     line = b""
     deadline = time.monotonic() + timeout
     while not line.endswith(b"\n"):
