@@ -249,6 +249,8 @@ class SimulatedProbe:
         path = Path(spec_or_file)
         # A spec never holds a slash: a path to a file not there yet is said to be missing, not to be a bad size.
         self._path: Path | None = path if path.suffix == ".toml" or path.exists() or "/" in spec_or_file else None
+        if self._path is None and not spec_or_file.lstrip()[:1].isdigit():  # names no size: a file's name, or nothing
+            raise ProbeError(f"simulated GPUs {spec_or_file!r}: no such file, and not GPUs as [Nx]SIZE (2x24GiB,1x12GiB)")
         self._gpus: list[_SimGpu] = [] if self._path else parse_gpu_spec(spec_or_file)
         if self._path:
             with contextlib.suppress(GpusUnreadable):  # a GPU the file says cannot be read is no fault of the file

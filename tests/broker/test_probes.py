@@ -106,6 +106,10 @@ def test_a_simulation_file_that_is_not_there_is_said_missing_whatever_its_name_e
         with pytest.raises(ProbeError) as refused:
             SimulatedProbe(str(tmp_path / name))
         assert str(refused.value) == f"{tmp_path / name}: No such file or directory"  # not "size '/tmp/...' is not bytes"
+    for name in ("gpus", "gpus.conf"):  # a name in the working directory: a file's, or GPUs mistyped
+        with pytest.raises(ProbeError) as refused:
+            SimulatedProbe(name)
+        assert str(refused.value) == f"simulated GPUs {name!r}: no such file, and not GPUs as [Nx]SIZE (2x24GiB,1x12GiB)"
 
 
 def test_a_simulated_gpu_can_be_unreadable_as_a_card_fallen_off_the_bus(tmp_path: Path) -> None:
