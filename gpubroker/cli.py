@@ -91,6 +91,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         leases = f"; leases {', '.join(gpu['leases'])} stay on it" if gpu["leases"] else ""
         mine.append(f"  not offered until it can be read again{leases}")
         lines.append((gpu["index"], mine))
+    for gpu in node.get("missing_gpus", []):
+        name = f"  {gpu['name']}" if gpu["name"] else ""
+        mine = [f"GPU {gpu['index']}{name}  {gpu['uuid']}  MISSING since {gpu['since']}: no longer listed by the driver"]
+        mine.append(
+            f"  leases {', '.join(gpu['leases'])} hold {gib(gpu['bytes'])} GiB on it "
+            "and stay until released or expired; nothing is granted on it"
+        )
+        lines.append((gpu["index"], mine))
     for _, mine in sorted(lines, key=lambda item: item[0]):
         print("\n".join(mine))
     cpu, memory = node["cpu"], node["memory"]

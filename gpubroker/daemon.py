@@ -494,6 +494,9 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
         state = f"GPUs: {broker.driver_error}" if broker.driver_error else f"{gpus} GPU{'s' * (gpus != 1)} via {source}"
         if broker.driver_error is None and broker.unreadable:
             state += "".join(f" ({gpu.label()} cannot be read: {gpu.error})" for gpu in broker.unreadable)
+        for gpu in broker.missing_json():  # the log says only what changes after the first reading
+            held = f"leases {', '.join(gpu['leases'])} hold {gib(gpu['bytes'])} GiB on it"
+            state += f" ({gpu['uuid']} is no longer listed by the driver: {held})"
         print(
             f"gpubroker ready: node {config.name} ({broker.node_id}), {state}; "
             f"API on unix:{config.socket_path} and {'https' if beyond_loopback(config) else 'http'}://{config.listen}"

@@ -233,7 +233,10 @@ class Broker:
         self._lineage: frozenset[int] = frozenset({1})  # this broker and its ancestors (holders.broker_lineage), read at start
         self._pressure: set[str] = set()  # accelerators (by UUID) under external pressure
         self._sampled = False  # whether a first reading was taken
-        self._missing: set[str] = set()  # accelerators (by UUID) that leases hold and the driver no longer lists
+        # Accelerators (by UUID) that leases hold and the driver no longer lists, and since when (wall clock): shown,
+        # as the driver last listed them (`_listed_as`), until listed again or no lease holds them.
+        self._missing: dict[str, float] = {}
+        self._listed_as: dict[str, tuple[int, str]] = {}  # each card's index and name as the driver last listed it
         self.over_declared_ids: set[str] = set()
         self._reclaims: list[_Reclaim] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -557,6 +560,9 @@ class Broker:
                     )
         if readings is not None:  # a fault of the whole driver says nothing of any one card
             writes += self._missing_gpus({r.uuid: r.index for r in readings}, unreadable or [], log=said_before)
+            kept = self._missing.keys() | {gpu.uuid for gpu in self.unreadable}  # not listed, or not read: as last listed
+            self._listed_as = {uuid: was for uuid, was in self._listed_as.items() if uuid in kept}
+            self._listed_as.update((r.uuid, (r.index, r.name)) for r in readings)
         self._record(*writes)
         self._scan()
 
@@ -597,7 +603,7 @@ class Broker:
                 message += f", as GPU {seen[now_read]} ({now_read})"
             writes.append(self._event("gpu.readable", message, gpu=now_read, details={"index": seen[now_read], "uuid": now_read}))
             said.append(message)
-        for uuid in sorted(missing - self._missing):
+        for uuid in sorted(missing - self._missing.keys()):
             on = self._on_gpu[uuid]
             why = "is no longer listed by the driver"
             if unknown:  # it may be the card that cannot say its UUID
@@ -609,12 +615,13 @@ class Broker:
             writes.append(self._event("gpu.missing", message, gpu=uuid, details={"leases": sorted(on.held), "bytes": on.declared}))
             said.append(message)
         listed = {**{gpu.uuid: gpu.index for gpu in unreadable if gpu.uuid is not None}, **seen}
-        for uuid in sorted((self._missing - missing) & listed.keys()):  # back, and read or not: it is listed again
+        for uuid in sorted((self._missing.keys() - missing) & listed.keys()):  # back, and read or not: it is listed again
             read = "" if uuid in seen else ", which cannot be read"
             message = f"{uuid} is listed by the driver again, as GPU {listed[uuid]}{read}"
             writes.append(self._event("gpu.found", message, gpu=uuid))
             said.append(message)
-        self._missing = missing
+        now = self.clock.now()
+        self._missing = {uuid: self._missing.get(uuid, now) for uuid in missing}
         self.unreadable = list(unreadable)
         if log:
             for line in said:
@@ -701,6 +708,23 @@ class Broker:
             for gpu in self.unreadable
         ]
 
+    def missing_json(self) -> list[dict[str, Any]]:
+        """The GPUs that leases hold and the driver no longer lists: as it last listed them (`name` null when not listed
+        since this broker started), since when, and the leases and bytes held on them; as `unreadable_json`, none
+        while the driver as a whole cannot be read."""
+        if self.driver_error is not None:
+            return []
+        missing = []
+        for uuid, since in self._missing.items():
+            on = self._on_gpu.get(uuid)
+            if on is None or not on.held:
+                continue  # released since the last reading: no memory of it is held any more
+            index, name = self._listed_as.get(uuid) or (_granted_index(on, uuid), None)
+            missing.append(
+                {"index": index, "uuid": uuid, "name": name, "since": rfc3339(since), "leases": sorted(on.held), "bytes": on.declared}
+            )
+        return sorted(missing, key=lambda gpu: (gpu["index"], gpu["uuid"]))
+
     def node_json(self) -> dict[str, Any]:
         now = self.readings_now()
         return {
@@ -713,6 +737,7 @@ class Broker:
             "gpus": [self._gpu_json(budget, now) for budget in self.budgets()],
             "driver_error": self.driver_error,
             "unreadable_gpus": self.unreadable_json(),
+            "missing_gpus": self.missing_json(),
             **self.host_budget().to_json(),
             "queue": {name: sum(1 for w in self.waiters if w.request.priority == name) for name in CLASSES},
         }
@@ -1432,6 +1457,12 @@ class Broker:
                 event["time"] = rfc3339(event["time"])
         # past the newest, `next` is the newest: a client resuming from it misses nothing that comes later
         return events, events[-1]["seq"] if events else min(after, self._event_seq)
+
+
+def _granted_index(on: GpuLeases, uuid: str) -> int:
+    """The index a card had when a lease on it was granted: what names it where the driver has not listed it since."""
+    lease, _ = next(iter(on.held.values()))
+    return next(gpu.index for gpu in lease.gpus if gpu.uuid == uuid)
 
 
 def _same_card(one: UnreadableGpu, other: UnreadableGpu) -> bool:

@@ -675,6 +675,7 @@ async def healthz(request: web.Request) -> web.Response:
             "node": broker.node_id,
             "driver_error": broker.driver_error,
             "unreadable_gpus": [{k: v for k, v in gpu.items() if k != "leases"} for gpu in broker.unreadable_json()],
+            "missing_gpus": [{k: v for k, v in gpu.items() if k != "leases"} for gpu in broker.missing_json()],
             "stale": broker.stale,
             "store_error": broker.store.failing,
         }

@@ -73,6 +73,14 @@ class _BrokerCollector(Collector):
         for gpu in broker.unreadable_json():
             unreadable.add_metric([gpu["uuid"] or "", str(gpu["index"])], 1.0)
         yield unreadable
+        missing = GaugeMetricFamily(
+            "gpubroker_gpu_missing",
+            "1 for each GPU that leases hold and the driver no longer lists (not offered), by its last index",
+            labels=["uuid", "index"],
+        )
+        for gpu in broker.missing_json():
+            missing.add_metric([gpu["uuid"], str(gpu["index"])], 1.0)
+        yield missing
         store = CounterMetricFamily(
             "gpubroker_store_write_failures", "transactions the state store could not write (full, or a disk fault)"
         )

@@ -34,6 +34,13 @@ _UNREADABLE: dict[str, Any] = {  # a GPU the driver lists but cannot read
     "uuid": {"type": "string", "nullable": True, "description": "null when not even its handle could be had"},
     "error": {"type": "string", "description": "the driver's error, naming the function and the GPU"},
 }
+_MISSING: dict[str, Any] = {  # a GPU that leases hold and the driver no longer lists
+    "index": {"type": "integer", "minimum": 0, "description": "its place among the node's GPUs when last listed (or granted)"},
+    "uuid": {"type": "string"},
+    "name": {"type": "string", "nullable": True, "description": "as last listed; null when not listed since the broker started"},
+    "since": {"type": "string", "description": "when the broker found it missing (RFC 3339; a restart finds it anew)"},
+    "bytes": {"type": "integer", "minimum": 0, "description": "what the leases on it declared there"},
+}
 _LEASE_ANSWER = {"type": "object", "required": ["lease"], "properties": {"lease": _ref("Lease")}}
 
 OPENAPI: dict[str, Any] = {
@@ -269,7 +276,7 @@ OPENAPI: dict[str, Any] = {
                     "200": _json(
                         {
                             "type": "object",
-                            "required": ["ok", "node", "driver_error", "unreadable_gpus", "stale", "store_error"],
+                            "required": ["ok", "node", "driver_error", "unreadable_gpus", "missing_gpus", "stale", "store_error"],
                             "properties": {
                                 "ok": {"type": "boolean"},
                                 "node": {"type": "string"},
@@ -278,6 +285,11 @@ OPENAPI: dict[str, Any] = {
                                     "type": "array",
                                     "items": _ref("UnreadableGpu"),
                                     "description": "GPUs the driver lists but cannot read (the others are read and brokered)",
+                                },
+                                "missing_gpus": {
+                                    "type": "array",
+                                    "items": _ref("MissingGpu"),
+                                    "description": "GPUs that leases hold and the driver no longer lists (none is offered)",
                                 },
                                 "stale": {"type": "boolean", "description": "a GPU's reading is older than `staleness`"},
                                 "store_error": {
@@ -402,9 +414,30 @@ OPENAPI: dict[str, Any] = {
                             },
                         },
                     },
+                    "missing_gpus": {
+                        "type": "array",
+                        "description": (
+                            "GPUs that leases hold and the driver no longer lists (a card fallen off the bus): none is offered, "
+                            "the leases on them stay until released or expired, counted on no other GPU; each is shown until "
+                            "it is listed again or no lease holds it"
+                        ),
+                        "items": {
+                            "type": "object",
+                            "required": ["index", "uuid", "name", "since", "leases", "bytes"],
+                            "properties": {
+                                **_MISSING,
+                                "leases": {"type": "array", "items": {"type": "string"}, "description": "live leases held on it"},
+                            },
+                        },
+                    },
                     "cpu": {"type": "object"},
                     "memory": {"type": "object"},
                 },
+            },
+            "MissingGpu": {
+                "type": "object",
+                "required": ["index", "uuid", "name", "since", "bytes"],
+                "properties": _MISSING,
             },
             "UnreadableGpu": {
                 "type": "object",

@@ -642,6 +642,45 @@ async def test_a_leased_gpu_the_driver_stops_listing_is_said_in_the_log_and_agai
     ]
 
 
+async def test_a_leased_gpu_the_driver_stops_listing_is_shown_missing_until_it_is_back_or_no_lease_holds_it(
+    make_node: Callable[..., Any],
+) -> None:
+    """The node's answer shows the card its leases still hold memory on, as the driver last listed it, since when,
+    with those leases and their bytes: the node would otherwise read as if that memory were nowhere."""
+    node = await make_node([24 * GIB, 24 * GIB])
+    first, first_token = await node.ask(gpu_memory="4GiB", gpu=1)
+    second, second_token = await node.ask(gpu_memory="2GiB", gpu=1)
+    assert node.broker.node_json()["missing_gpus"] == []
+    node.probe.sizes = [24 * GIB]
+    await node.sample()
+    went = rfc3339(node.clock.now())
+    missing = {
+        "index": 1, "uuid": "GPU-fake-1", "name": "NVIDIA GeForce RTX 4090", "since": went,
+        "leases": sorted([first["id"], second["id"]]), "bytes": 6 * GIB,
+    }  # fmt: skip
+    node.clock.advance(5)
+    await node.sample()
+    assert node.broker.node_json()["missing_gpus"] == [missing]  # since it went, not since the last reading
+    assert [g["uuid"] for g in node.broker.node_json()["gpus"]] == ["GPU-fake-0"]
+    error = await node.refused(gpu_memory="1GiB", gpu="GPU-fake-1")  # nothing is granted on it
+    assert error.code is FailureCode.CAPABILITY_UNAVAILABLE
+
+    await node.restart()  # found missing anew, and named as its leases name it: not listed since this start
+    restarted = {**missing, "name": None, "since": rfc3339(node.clock.now())}
+    assert node.broker.node_json()["missing_gpus"] == [restarted]
+    node.probe.sizes = [24 * GIB, 24 * GIB]
+    await node.sample()
+    assert node.broker.node_json()["missing_gpus"] == []
+
+    node.probe.sizes = [24 * GIB]
+    await node.sample()
+    went = rfc3339(node.clock.now())
+    await node.broker.release(first["id"], TCP, first_token)
+    assert node.broker.node_json()["missing_gpus"] == [{**missing, "since": went, "leases": [second["id"]], "bytes": 2 * GIB}]
+    await node.broker.release(second["id"], TCP, second_token)
+    assert node.broker.node_json()["missing_gpus"] == []  # no lease holds it: nothing of it is left to show
+
+
 async def test_a_gpu_that_cannot_be_read_is_not_offered_while_the_others_are_brokered(make_node: Callable[..., Any]) -> None:
     """One card fallen off the bus (Xid 79) no longer stops the node: the card that can be read keeps its figures
     and its grants, the other is refused by name, its lease stays, counted on no other card."""

@@ -3,6 +3,7 @@ content type, and its body against the schema (the subset of JSON Schema the doc
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import BrokerProcess
+from conftest import BrokerProcess, wait_for
 from fakes import GIB, FakeClock, FakeGpuProbe
 
 from gpubroker.broker.request import MAX_CORES, MAX_GPUS, MAX_LABELS, MAX_PID, MAX_TEXT
@@ -276,3 +277,49 @@ def test_a_gpu_that_cannot_be_read_is_answered_as_the_document_says_and_shown_by
     at = lines.index("GPU 1  GPU-sim-1  UNREADABLE: simulated: GPU is lost (Xid 79)")
     assert lines[at + 1] == "  not offered until it can be read again"
     assert lines[at - 1].startswith("  total 24.0")  # after GPU 0, in the node's order
+
+
+def test_a_leased_gpu_the_driver_no_longer_lists_is_answered_missing_as_the_document_says_and_shown_by_status(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    """GPU 1 gone from the driver's list (the simulation file edited down) with a lease on it: /v1/node, /healthz,
+    /metrics, the ready line and `gpubroker status` show it missing with its lease and bytes, until it is listed again."""
+    sim = tmp_path / "gpus.toml"
+    both = '[[gpu]]\nmemory = "24GiB"\n[[gpu]]\nmemory = "24GiB"\nname = "RTX 4090"\n'
+    sim.write_text(both)
+    broker = broker_process(str(sim)).start()
+    api = Api(broker.url)
+    held = api("POST", "/v1/leases", {"gpu_memory": "4GiB", "gpu": 1, "bind": "none"}).json()["lease"]
+    sim.write_text('[[gpu]]\nmemory = "24GiB"\n')
+    wait_for(lambda: api("GET", "/v1/node").json()["missing_gpus"], timeout=60)
+
+    node = api("GET", "/v1/node").json()
+    [missing] = node["missing_gpus"]
+    assert {k: v for k, v in missing.items() if k != "since"} == {
+        "index": 1, "uuid": "GPU-sim-1", "name": "RTX 4090", "leases": [held["id"]], "bytes": 4 * GIB,
+    }  # fmt: skip
+    assert [g["index"] for g in node["gpus"]] == [0]
+    assert api("GET", "/healthz").json()["missing_gpus"] == [{k: v for k, v in missing.items() if k != "leases"}]
+    assert 'gpubroker_gpu_missing{index="1",uuid="GPU-sim-1"} 1.0' in api("GET", "/metrics").text
+    assert api("POST", "/v1/leases", {"gpu_memory": "1GiB", "gpu": "GPU-sim-1", "bind": "none"}).status_code == 409
+    assert api.broken == []
+
+    status = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=broker.env, capture_output=True, text=True, timeout=30)
+    lines = status.stdout.splitlines()
+    at = lines.index(f"GPU 1  RTX 4090  GPU-sim-1  MISSING since {missing['since']}: no longer listed by the driver")
+    assert lines[at + 1] == f"  leases {held['id']} hold 4.0 GiB on it and stay until released or expired; nothing is granted on it"
+    assert lines[at - 1].startswith("  total 24.0")  # after GPU 0, in the node's order
+    as_json = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "status", "--json"], env=broker.env, capture_output=True, text=True, timeout=30
+    )
+    assert json.loads(as_json.stdout)["node"]["missing_gpus"] == [missing]
+
+    broker.stop()
+    broker.start()
+    said = f"(GPU-sim-1 is no longer listed by the driver: leases {held['id']} hold 4.0 GiB on it)"
+    assert said in broker.ready_line, broker.ready_line
+    sim.write_text(both)
+    wait_for(lambda: not api("GET", "/v1/node").json()["missing_gpus"], timeout=60)
+    assert api("GET", "/healthz").json()["missing_gpus"] == []
+    status = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=broker.env, capture_output=True, text=True, timeout=30)
+    assert "MISSING" not in status.stdout
