@@ -55,6 +55,8 @@ def external_by_name(gpu: dict[str, Any]) -> dict[str, int]:
 LEASES_ROOM = 192 * 2**10  # bytes of lease records a document lists at most; MAX_DOCUMENT's rest holds the node's figures
 UNREADABLE_LISTED = 64  # GPUs the driver lists but cannot read, at most, that a document names (with their errors)
 UNREADABLE_ERROR_ROOM = 512  # characters of each one's error a document keeps
+MISSING_LISTED = 16  # GPUs that leases hold and the driver no longer lists, at most, that a document names
+MISSING_LEASES_LISTED = 16  # lease ids of each, at most, that a document names (and how many more there are)
 LABELS_ROOM = 512  # bytes of one lease's labels a document lists at most: one lease's labels must not crowd out others
 
 
@@ -103,6 +105,19 @@ def summarize(node: dict[str, Any], leases: list[dict[str, Any]]) -> dict[str, A
         "unreadable_gpus": [
             {"index": gpu["index"], "uuid": gpu["uuid"], "error": gpu["error"][:UNREADABLE_ERROR_ROOM]}
             for gpu in node.get("unreadable_gpus", [])[:UNREADABLE_LISTED]
+        ],
+        # Readers that do not know it (an older broker) leave it unread: they show the GPUs listed, as before.
+        "missing_gpus": [
+            {
+                "index": gpu["index"],
+                "uuid": gpu["uuid"],
+                "name": gpu["name"],
+                "since": gpu["since"],
+                "leases": gpu["leases"][:MISSING_LEASES_LISTED],
+                "leases_not_listed": max(0, len(gpu["leases"]) - MISSING_LEASES_LISTED),
+                "bytes": round_bytes(gpu["bytes"]),
+            }
+            for gpu in node.get("missing_gpus", [])[:MISSING_LISTED]
         ],
         "gpus": gpus,
         "cpu": node.get("cpu", {}),
@@ -190,6 +205,36 @@ def listed_unreadable(body: dict[str, Any]) -> list[dict[str, Any]]:
         and _count(entry.get("index"))
         and isinstance(entry.get("uuid"), str | None)
         and isinstance(entry.get("error"), str)
+    ]
+
+
+def listed_missing(body: dict[str, Any], shift: float = 0.0) -> list[dict[str, Any]]:
+    """The GPUs a node's document says leases hold and its driver no longer lists, in the shape `GET /v1/node` gives
+    them with `leases_not_listed` beside, `since` moved by `shift` onto the reader's clock; none where the document
+    does not say (an older broker's), and an entry in a shape not known is left out."""
+    entries = body.get("missing_gpus")
+    if not isinstance(entries, list):
+        return []
+    return [
+        {
+            "index": entry["index"],
+            "uuid": entry["uuid"],
+            "name": entry.get("name"),
+            "since": _shifted(entry["since"], shift),
+            "leases": entry["leases"],
+            "leases_not_listed": entry.get("leases_not_listed", 0),
+            "bytes": entry["bytes"],
+        }
+        for entry in entries
+        if isinstance(entry, dict)
+        and _count(entry.get("index"))
+        and isinstance(entry.get("uuid"), str)
+        and isinstance(entry.get("name"), str | None)
+        and isinstance(entry.get("since"), str)
+        and isinstance(entry.get("leases"), list)
+        and all(isinstance(lease, str) for lease in entry["leases"])
+        and _count(entry.get("leases_not_listed", 0))
+        and _count(entry.get("bytes"))
     ]
 
 

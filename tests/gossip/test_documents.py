@@ -15,12 +15,16 @@ from hypothesis import strategies as st
 
 from gpubroker.gossip.documents import (
     LABELS_ROOM,
+    MISSING_LEASES_LISTED,
+    MISSING_LISTED,
     ROUNDING,
     ClusterView,
     DocumentError,
     NodeDocument,
     Publisher,
     listed_leases,
+    listed_missing,
+    listed_unreadable,
     open_document,
     sign_document,
     summarize,
@@ -235,3 +239,34 @@ def test_a_node_with_more_leases_than_a_document_holds_lists_what_fits_and_count
     signed = sign_document(document(body=body), KEY.sign)
     assert open_document(signed, verify, node_id_of).body == body  # it fits MAX_DOCUMENT, so every peer takes it
     assert summarize(node, leases[:3])["leases_not_listed"] == 0
+
+
+def test_a_gpu_that_leases_hold_and_the_driver_no_longer_lists_travels_in_the_document_so_peers_show_it() -> None:
+    """As the node answers it, its bytes rounded, its time moved onto the reader's clock; as many GPUs and lease ids
+    as MISSING_LISTED and MISSING_LEASES_LISTED hold, counting the leases left out, so the document stays bounded."""
+    gone = {"index": 1, "uuid": "GPU-1", "name": "RTX 4090", "since": "2026-11-30T10:00:00.000Z", "leases": ["l-1"], "bytes": 4 * GIB + 5}
+    node = {"node": {"id": NODE, "name": "tower"}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}, "missing_gpus": [gone]}
+    body = summarize(node, [])
+    assert listed_missing(body) == [{**gone, "bytes": 4 * GIB, "leases_not_listed": 0}]
+    assert listed_missing(body, shift=60.0)[0]["since"] == "2026-11-30T10:01:00.000Z"
+
+    crowded = [{**gone, "uuid": f"GPU-{i}", "leases": [f"l-{j:012x}" for j in range(1000)]} for i in range(MISSING_LISTED + 5)]
+    body = summarize({**node, "missing_gpus": crowded}, [])
+    shown = listed_missing(body)
+    assert [gpu["uuid"] for gpu in shown] == [f"GPU-{i}" for i in range(MISSING_LISTED)]
+    assert all(len(gpu["leases"]) == MISSING_LEASES_LISTED and gpu["leases_not_listed"] == 1000 - MISSING_LEASES_LISTED for gpu in shown)
+    assert open_document(sign_document(document(body=body), KEY.sign), verify, node_id_of).body == body
+
+
+def test_a_document_without_missing_gpus_an_older_brokers_reads_as_none_and_an_entry_not_in_a_known_shape_is_left_out() -> None:
+    node = {"node": {"id": NODE, "name": "tower"}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}}
+    older = summarize(node, [])
+    del older["missing_gpus"]
+    assert listed_missing(older) == []
+    known = {"index": 1, "uuid": "GPU-1", "name": None, "since": "2026-11-30T10:00:00.000Z", "leases": ["l-1"], "bytes": GIB}
+    odd = [{**known, "index": "1"}, {**known, "uuid": None}, {**known, "since": 5}, {**known, "leases": [1]}, {**known, "bytes": -1}, "x"]
+    assert listed_missing({"missing_gpus": [known, *odd]}) == [{**known, "leases_not_listed": 0}]
+    assert listed_missing({"missing_gpus": "x"}) == []
+    # What a reader of the document knew before is read as before, the GPUs missing beside it.
+    with_missing = summarize({**node, "missing_gpus": [known]}, [])
+    assert (listed_unreadable(with_missing), listed_leases(with_missing, NODE)) == (listed_unreadable(older), listed_leases(older, NODE))
