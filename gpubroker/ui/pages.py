@@ -24,7 +24,7 @@ from urllib.parse import quote, urlsplit
 from aiohttp import web
 
 from gpubroker.errors import FailureCode, NotFound
-from gpubroker.gossip.documents import external_by_name, listed_leases, listed_unreadable
+from gpubroker.gossip.documents import external_by_name, listed_leases, listed_missing, listed_unreadable
 from gpubroker.ui.api import BROKER, CALLER, CONFIG, GUARD, MESH, SESSION, STATES, cluster_view, read_form
 from gpubroker.ui.auth import CSRF_FIELD, SESSION_COOKIE, verify_password
 from gpubroker.ui.stream import EVENT_TYPES
@@ -251,10 +251,18 @@ def cluster_region(request: web.Request) -> str:
     cards = []
     gpu_count = 0
     down = stale = 0
+    missing_count = missing_bytes = 0  # leased on GPUs the driver no longer lists: in no GPU's figures
+    mesh = request.app[MESH].mesh
     for node in view["nodes"]:
         gpus = node_gpus(node)
+        if node.get("self"):
+            missing = request.app[BROKER].missing_json()
+        else:  # as its document says, on this node's clock (its leases on them are in its list of leases)
+            missing = listed_missing(node.get("document") or {}, mesh.shift_of(node["id"]) if mesh is not None else 0.0)
         if node.get("self") or node.get("state") in ("alive", "suspect"):
             gpu_count += len(gpus)
+            missing_count += len(missing)
+            missing_bytes += sum(gpu["bytes"] for gpu in missing)
             for gpu in gpus:
                 if gpu.get("stale"):  # its node refuses it (SCHEDULER_STATE_STALE): its last figures are no room to offer
                     stale += 1
@@ -280,15 +288,18 @@ def cluster_region(request: web.Request) -> str:
             warning += unreadable_warnings({"unreadable_gpus": request.app[BROKER].unreadable_json()})
         elif not problem:  # another node's, as its document says (its leases on them are in its list of leases)
             warning += unreadable_warnings({"unreadable_gpus": listed_unreadable(node.get("document") or {})})
+        warning += missing_warnings(missing, now)
         cards.append(
             f'<article class="card node state-{e(node.get("state"))}" data-node="{e(node["id"])}">'
             f'<header><h2>{e(name)}</h2>{badges}<span class="state">{e(node.get("state"))}</span><span class="fresh">{fresh}</span></header>'
             f'{warning}<ul class="gpus">{rows or "<li class=muted>no GPUs</li>"}</ul></article>'
         )
     summary = " · ".join(f"{totals[k] / GIB:.1f} GiB {k}" for k in totals if k != "resident" or totals[k])
+    gone = f" ({missing_count} missing, {gib(missing_bytes)} leased on {'it' if missing_count == 1 else 'them'}, not counted)"
     return (
         f'<section class="totals"><h1>Cluster</h1><p>{plural(len(view["nodes"]), "node")}{f" ({down} down, not counted)" if down else ""}'
-        f" · {plural(gpu_count, 'GPU')}{f' ({stale} stale, not counted)' if stale else ''} · {e(summary)}</p>{legend()}</section>"
+        f" · {plural(gpu_count, 'GPU')}{f' ({stale} stale, not counted)' if stale else ''}{gone if missing_count else ''}"
+        f" · {e(summary)}</p>{legend()}</section>"
         f'<div class="cards">{"".join(cards)}</div>'
     )
 
@@ -309,6 +320,17 @@ def unreadable_warnings(node: dict[str, Any]) -> str:
         f'<p class="warning">GPU {e(gpu["index"])} ({e(gpu["uuid"] or "UUID unknown")}) cannot be read: {e(gpu["error"])}; '
         f"not offered until it can be read again{'; leases ' + e(', '.join(gpu['leases'])) + ' stay on it' if gpu.get('leases') else ''}</p>"
         for gpu in node.get("unreadable_gpus", [])
+    )
+
+
+def missing_warnings(gpus: list[dict[str, Any]], now: float) -> str:
+    """A warning for each GPU that leases hold and the driver no longer lists: nothing is granted on it, its leases stay."""
+    return "".join(
+        f'<p class="warning">GPU {e(gpu["index"])}{" · " + e(gpu["name"]) if gpu.get("name") else ""} ({e(gpu["uuid"])}) '
+        f"is no longer listed by the driver, since {moment(gpu['since'], now)}: leases {e(', '.join(gpu['leases']))}"
+        f"{f' and {more} more' if (more := gpu.get('leases_not_listed')) else ''} hold {gib(gpu['bytes'])} on it "
+        "and stay until released or expired; nothing is granted on it</p>"
+        for gpu in gpus
     )
 
 
@@ -343,7 +365,7 @@ def node_region(request: web.Request) -> str:
         "no budgets",
     )
     error = f'<p class="warning">driver: {e(node["driver_error"])}</p>' if node.get("driver_error") else ""
-    error += unreadable_warnings(node)
+    error += unreadable_warnings(node) + missing_warnings(node["missing_gpus"], time.time())
     queue = ", ".join(f"{e(k)} {e(v)}" for k, v in node.get("queue", {}).items())
     return (
         f'<h1>Node {e(node["node"]["name"])}</h1><p class="muted"><code>{e(node["node"]["id"])}</code> · '

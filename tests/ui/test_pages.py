@@ -348,6 +348,46 @@ async def test_a_peers_gpu_its_driver_cannot_read_is_shown_on_the_cluster_page_f
     assert "GPU 1 (UUID unknown) cannot be read: GPU is &lt;lost&gt;; not offered until it can be read again" in text
 
 
+async def test_a_leased_gpu_the_driver_no_longer_lists_is_shown_missing_on_the_node_and_cluster_pages_until_released(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    """The leases' memory on a card gone from the driver is shown where the card was, and the totals say they leave
+    it out: they read as if that memory were nowhere."""
+    client, broker, probe = served
+    probe.sizes = [24 * GIB, 24 * GIB]
+    await broker.sample()
+    held = await lease(client, {"gpu_memory": "4GiB", "gpu": 1})
+    probe.sizes = [24 * GIB]
+    await broker.sample()
+    [gone] = broker.node_json()["missing_gpus"]
+    said = f'GPU 1 · NVIDIA GeForce RTX 4090 (GPU-fake-1) is no longer listed by the driver, since <time datetime="{gone["since"]}"'
+    held_there = f"leases {held['id']} hold 4.0 GiB on it and stay until released or expired; nothing is granted on it"
+    for page in ("node", "cluster"):
+        text = await (await client.get(f"/fragment/{page}")).text()
+        assert text.count(said) == 1, text
+        assert held_there in text
+    cluster = await (await client.get("/fragment/cluster")).text()
+    assert "1 node · 1 GPU (1 missing, 4.0 GiB leased on it, not counted) · 24.0 GiB total" in cluster
+
+    answer = await client.delete(f"/v1/leases/{held['id']}", headers={"X-Lease-Token": held["token"]})
+    assert answer.status == 200
+    for page in ("node", "cluster"):
+        assert "no longer listed" not in await (await client.get(f"/fragment/{page}")).text()
+
+
+async def test_a_peers_gpu_its_leases_hold_and_its_driver_no_longer_lists_is_shown_on_the_cluster_page_from_its_document(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, broker, _ = served
+    peer = broker.node_json()
+    gone = {"index": 1, "uuid": "GPU-far-1", "name": "RTX <4090>", "since": "2026-11-30T10:00:00.000Z", "bytes": 8 * GIB}
+    peer["missing_gpus"] = [{**gone, "leases": [f"l-{i:012x}" for i in range(20)]}]
+    text = await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": summarize(peer, [])})
+    assert "GPU 1 · RTX &lt;4090&gt; (GPU-far-1) is no longer listed by the driver, since <time" in text
+    assert "l-00000000000f and 4 more hold 8.0 GiB on it" in text
+    assert "2 nodes · 2 GPUs (1 missing, 8.0 GiB leased on it, not counted) · 48.0 GiB total" in text
+
+
 async def test_a_gpu_whose_reading_is_stale_is_marked_on_the_cluster_page_here_and_on_a_peer(
     served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
 ) -> None:
