@@ -25,6 +25,8 @@ from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
 from gpubroker.units import UnitError, gib, parse_duration, parse_time, printable_text, rfc3339
+from gpubroker.gossip.documents import listed_missing
+from gpubroker.units import gib, parse_duration, printable_text, rfc3339
 
 FOREVER = 10 * 365 * 86400
 
@@ -140,7 +142,13 @@ def _print_cluster(cluster: dict[str, Any]) -> None:
                 + (" STALE (no decision is made on it)" if g.get("stale") else "")
                 for g in document.get("gpus", [])
             )
-            line += f"; {gpus or 'no GPUs'}"
+            gone = ", ".join(
+                f"GPU {g['index']} ({g['uuid']}) MISSING since {g['since']}: leases {', '.join(g['leases'])}"
+                + (f" and {g['leases_not_listed']} more" if g["leases_not_listed"] else "")
+                + f" hold {gib(g['bytes'])} GiB on it"
+                for g in listed_missing(document)
+            )
+            line += f"; {', '.join(part for part in (gpus, gone) if part) or 'no GPUs'}"
         print(line)
 
 

@@ -117,6 +117,25 @@ def test_status_shows_the_room_of_the_nodes_up_only_and_names_the_coordinator(ca
     ]
 
 
+def test_status_shows_a_peers_leased_gpu_its_driver_no_longer_lists_from_its_document(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu = {"index": 0, "figures": {"schedulable": 18 * 2**30, "total": 24 * 2**30}}
+    gone = {"index": 1, "uuid": "GPU-1", "name": "RTX 4090", "since": "2026-11-30T10:00:00.000Z", "leases": ["l-1"], "bytes": 4 * 2**30}
+    cluster = {
+        "coordinator": None,
+        "nodes": [
+            {"id": "n-a", "name": "tower", "self": True, "state": "alive"},
+            {"id": "n-b", "name": "nuc", "state": "alive", "age": 0.4, "document": {"gpus": [gpu], "missing_gpus": [gone, "x"]}},
+            {"id": "n-c", "name": "old", "state": "alive", "age": 0.4, "document": {"gpus": [gpu]}},  # an older broker's
+        ],
+    }
+    cli._print_cluster(cluster)
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "  nuc: alive, seen 0.4s ago; GPU 0 18.0/24.0 GiB schedulable, GPU 1 (GPU-1) MISSING since 2026-11-30T10:00:00.000Z: "
+        "leases l-1 hold 4.0 GiB on it",
+        "  old: alive, seen 0.4s ago; GPU 0 18.0/24.0 GiB schedulable",
+    ]
+
+
 def test_status_of_a_node_removed_from_its_cluster_says_so_and_how_to_join_again(capsys: pytest.CaptureFixture[str]) -> None:
     cluster = {"coordinator": None, "removed": 1796035200.0, "nodes": [{"id": "n-a", "name": "tower", "self": True, "state": "removed"}]}
     cli._print_cluster(cluster)
