@@ -1,7 +1,8 @@
 """Node documents (SPEC §7): what each node holds, written and signed by that node alone.
 
 A document carries its node's accelerators' seven figures and processes (external ones by
-name), one record per lease, the queue and the CPU and memory budgets. The highest
+name), the accelerators it cannot read and those its leases hold that its driver no longer lists,
+one record per lease, the queue and the CPU and memory budgets. The highest
 (generation, version) wins: the generation grows at every start of the broker, the version at
 every change within one run. Figures are rounded and a new version is made at most about once
 a second, so gossip does not storm. The age of a view is measured on the receiving node's
