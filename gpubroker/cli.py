@@ -24,9 +24,8 @@ from gpubroker import __version__
 from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
-from gpubroker.units import UnitError, gib, parse_duration, parse_time, printable_text, rfc3339
 from gpubroker.gossip.documents import listed_missing
-from gpubroker.units import gib, parse_duration, printable_text, rfc3339
+from gpubroker.units import UnitError, gib, parse_duration, parse_time, printable_text, rfc3339
 
 FOREVER = 10 * 365 * 86400
 
