@@ -16,6 +16,7 @@ import threading
 import time
 import unicodedata
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,14 @@ def _print_cluster(cluster: dict[str, Any]) -> None:
     if not others:
         return
     coordinator = (cluster.get("coordinator") or {}).get("id")
-    named = next((n.get("name") or n["id"] for n in nodes if n["id"] == coordinator), coordinator)
+    names = Counter(n.get("name") for n in nodes)
+
+    def label(node: dict[str, Any]) -> str:
+        # Two nodes given one name (a machine rejoined with a fresh --state, a copied config) are told apart by id.
+        name = node.get("name")
+        return f"{name} ({node['id']})" if name and names[name] > 1 else name or node["id"]
+
+    named = next((label(n) for n in nodes if n["id"] == coordinator), coordinator)
     up = sum(1 for n in others if n.get("state") in ("alive", "suspect")) + 1
     print(f"cluster: {len(others) + 1} nodes ({up} up), coordinator {named or 'not chosen yet'}")
     for other in others:
@@ -134,7 +142,7 @@ def _print_cluster(cluster: dict[str, Any]) -> None:
         age = other.get("age")
         fresh = f"seen {age:.1f}s ago" if isinstance(age, int | float) else "no document yet"
         badge = " (coordinator)" if other["id"] == coordinator else ""
-        line = f"  {other.get('name') or other['id']}{badge}: {other['state']}, {fresh}"
+        line = f"  {label(other)}{badge}: {other['state']}, {fresh}"
         if other.get("state") in ("alive", "suspect") and document:
             gpus = ", ".join(
                 f"GPU {g['index']} {gib(g['figures']['schedulable'])}/{gib(g['figures']['total'])} GiB schedulable"

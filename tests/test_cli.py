@@ -136,6 +136,25 @@ def test_status_shows_a_peers_leased_gpu_its_driver_no_longer_lists_from_its_doc
     ]
 
 
+def test_status_tells_apart_nodes_that_share_a_name_by_their_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    """A machine killed and joined again with a fresh --state is a new node of the same name beside its dead self."""
+    gpu = {"index": 0, "figures": {"schedulable": 18 * 2**30, "total": 24 * 2**30}}
+    cluster = {
+        "coordinator": {"id": "n-c", "epoch": 1},
+        "nodes": [
+            {"id": "n-a", "name": "tower", "self": True, "state": "alive"},
+            {"id": "n-b", "name": "nuc", "state": "dead", "age": 60.0, "document": {"gpus": [gpu]}},
+            {"id": "n-c", "name": "nuc", "state": "alive", "age": 0.4, "document": {"gpus": [gpu]}},
+        ],
+    }
+    cli._print_cluster(cluster)
+    assert capsys.readouterr().out.splitlines() == [
+        "cluster: 3 nodes (2 up), coordinator nuc (n-c)",
+        "  nuc (n-b): dead, seen 60.0s ago",
+        "  nuc (n-c) (coordinator): alive, seen 0.4s ago; GPU 0 18.0/24.0 GiB schedulable",
+    ]
+
+
 def test_status_of_a_node_removed_from_its_cluster_says_so_and_how_to_join_again(capsys: pytest.CaptureFixture[str]) -> None:
     cluster = {"coordinator": None, "removed": 1796035200.0, "nodes": [{"id": "n-a", "name": "tower", "self": True, "state": "removed"}]}
     cli._print_cluster(cluster)
