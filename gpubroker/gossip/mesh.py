@@ -838,7 +838,9 @@ class Mesh:
         return token
 
     def nodes_json(self) -> dict[str, Any]:
-        states = {m.node: m.state.value for m in self.membership.members()} if self._membership else {}
+        # A removed node hears no member any more: the states it last heard would show its former cluster alive for ever.
+        removed = self.cluster.is_removed(self.node_id)
+        states = {m.node: m.state.value for m in self.membership.members()} if self._membership and not removed else {}
         members = [
             {
                 "id": node,

@@ -121,6 +121,7 @@ async def test_a_removed_node_is_told_by_its_remover_and_stops_showing_its_clust
     assert shown["removed"] == a.cluster.removed[b.node_id]
     assert [(n["id"], n["state"]) for n in shown["nodes"]] == [(b.node_id, "removed")]  # nobody shown alive any more
     assert shown["coordinator"] is None
+    assert {m["id"]: m["state"] for m in b.nodes_json()["members"]} == {a.node_id: "unknown"}  # not the "alive" it last heard
 
 
 async def test_a_removed_node_administers_its_cluster_no_more_nor_starts_its_mesh_again(pair: tuple[Mesh, Mesh], tmp_path: Path) -> None:
