@@ -162,14 +162,19 @@ def decode_token(token: str) -> JoinToken:
     """The join token's contents; ClusterError, and nothing else, for any malformed input. Expiry is not checked."""
     if not isinstance(token, str):
         raise ClusterError(f"a join token is text, not {type(token).__name__}")
-    token = token.strip()
+    # Whitespace is never part of a token: a terminal or a mail that wrapped it put line breaks or spaces inside it.
+    token = "".join(token.split())
     if not token.startswith(TOKEN_PREFIX):
         raise ClusterError(f"not a join token: it must start with {TOKEN_PREFIX!r}")
     if len(token) > MAX_TOKEN:
         raise ClusterError(f"not a join token: {len(token)} characters, at most {MAX_TOKEN}")
     body = token[len(TOKEN_PREFIX) :]
-    if not re.fullmatch(r"[A-Za-z0-9_-]*", body):
-        raise ClusterError("not a join token: it has characters outside base64url")
+    stray = re.search(r"[^A-Za-z0-9_-]", body)
+    if stray is not None:
+        raise ClusterError(
+            f"not a join token: it has {stray.group()!r} at character {len(TOKEN_PREFIX) + stray.start() + 1}, outside base64url; "
+            "copy it whole from `gpubroker invite`"
+        )
     try:
         raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         doc = msgpack.unpackb(

@@ -171,6 +171,15 @@ def test_a_token_carries_the_seed_the_issuer_and_the_cluster(tmp_path: Path) -> 
     assert decoded.cluster == cluster_hash(state.cluster_id)
     assert decoded.secret.hex() not in state.path.read_text()  # only the secret's hash is kept
     assert decode_token(f"  {token}\n") == decoded  # pasted with whitespace around it
+    # ...or inside it, where a terminal or a mail wrapped it
+    assert decode_token(f"{token[:80]}\n{token[80:160]}\r\n {token[160:]}") == decoded
+    assert decode_token(f"{token[:100]} \u00a0{token[100:]}") == decoded
+
+
+def test_a_token_with_a_stray_character_names_it_and_where_it_is(tmp_path: Path) -> None:
+    token = make(tmp_path).invite(SEED, A, ttl=600, now=NOW)
+    with pytest.raises(ClusterError, match=r"^not a join token: it has '\"' at character 31, outside base64url; copy it whole"):
+        decode_token(f'{token[:30]}"{token[30:]}')
 
 
 def test_two_invites_have_different_secrets(tmp_path: Path) -> None:
