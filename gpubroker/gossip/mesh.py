@@ -45,7 +45,7 @@ from gpubroker.gossip.identity import Identity, IdentityError, node_id_of, node_
 from gpubroker.gossip.keyring import cluster_hash, key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig, MemberView
 from gpubroker.gossip.messages import Addr, DocumentNotice, MemberState, Message, PushPull
-from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, call_for_join, call_member, call_unpinned
+from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, PeerUnreachable, call_for_join, call_member, call_unpinned
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY = 0.5  # seconds between looks at our own figures; the Publisher keeps versions ≥ 1 s apart
@@ -89,9 +89,15 @@ class _Meta:
 async def join_cluster(token: str, identity: Identity, name: str, state_dir: Any) -> ClusterState:
     """Redeem a join token at its seed over the join handshake, and keep what it grants."""
     parsed = decode_token(token)
-    answer = await call_for_join(
-        parsed.seed, parsed.fingerprint, {"op": "join", "secret": parsed.secret, "cert": identity.certificate_pem().decode(), "name": name}
-    )
+    request = {"op": "join", "secret": parsed.secret, "cert": identity.certificate_pem().decode(), "name": name}
+    try:
+        answer = await call_for_join(parsed.seed, parsed.fingerprint, request)
+    except PeerUnreachable as error:
+        # Only the member that issued the token can redeem it: no other member will do, however many are up.
+        raise ClusterError(
+            f"the member that issued this token, {parsed.seed[0]}:{parsed.seed[1]}, does not answer ({error.reason}): "
+            "start its broker or check that this machine reaches that address, then run this again"
+        ) from None
     if "error" in answer:
         raise ClusterError(f"the seed {parsed.seed[0]}:{parsed.seed[1]} refused to admit this node: {answer['error']}")
     return ClusterState.adopt(state_dir, identity, name, JoinGrant.from_dict(answer["grant"]), token=parsed)

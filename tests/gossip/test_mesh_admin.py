@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +17,11 @@ from fakes import FakeClock
 from gpubroker.config import Config
 from gpubroker.errors import BrokerError
 from gpubroker.gossip import wire
-from gpubroker.gossip.cluster import ClusterState, JoinGrant, decode_token
+from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, decode_token
 from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.keyring import key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
-from gpubroker.gossip.mesh import Mesh, MeshSettings
+from gpubroker.gossip.mesh import Mesh, MeshSettings, join_cluster
 from gpubroker.gossip.transport import PeerServer
 
 NOW = 1_800_000_000.0
@@ -87,6 +88,20 @@ async def pair(tmp_path: Path) -> AsyncIterator[tuple[Mesh, Mesh]]:
     finally:
         for mesh in meshes:
             await stop(mesh)
+
+
+async def test_a_token_whose_member_does_not_answer_says_to_start_that_member_and_keeps_nothing(tmp_path: Path) -> None:
+    a, b = (Identity.load_or_create(tmp_path / name) for name in ("a", "b"))
+    with socket.socket() as closed:  # the member that issued the token, stopped
+        closed.bind(("127.0.0.1", 0))
+        seed = closed.getsockname()
+    token = ClusterState.init(tmp_path / "cluster-a", a, "node-a", now=NOW).invite(seed, a, 600, NOW)
+    with pytest.raises(
+        ClusterError,
+        match=rf"^the member that issued this token, 127\.0\.0\.1:{seed[1]}, does not answer \(cannot connect: .*\): start its broker",
+    ):
+        await join_cluster(token, b, "node-b", tmp_path / "cluster-b")
+    assert ClusterState.load(tmp_path / "cluster-b") is None
 
 
 async def test_a_member_down_during_a_rotation_adopts_it_and_the_removed_key_comes_back_nowhere(pair: tuple[Mesh, Mesh]) -> None:
