@@ -305,10 +305,22 @@ async def _make_mesh(config: Config, broker: Broker, join: str | None) -> Mesh |
         if join is not None and cluster is None:
             cluster = await join_cluster(join, identity, config.name, config.state_dir)
             seeds += (decode_token(join).seed,)  # the member that admitted us is the first to talk to
-        elif join is not None:
-            raise StartError(
-                f"{config.state_dir} already belongs to cluster {cluster_hash(cluster.cluster_id) if cluster else '?'}; --join is for a new node"
-            )
+        elif join is not None and cluster is not None:
+            mine, theirs = cluster_hash(cluster.cluster_id), decode_token(join).cluster
+            if cluster.is_removed(identity.node_id):
+                raise StartError(
+                    f"this node was removed from cluster {mine}: to join again it needs a new identity, "
+                    "a fresh --state with `gpubroker up --join TOKEN`"
+                )
+            if theirs != mine:
+                raise StartError(
+                    f"{config.state_dir} already belongs to cluster {mine}, and this token is for cluster {theirs}: to move this node, "
+                    f"remove it there (`gpubroker nodes remove {identity.node_id}` on a member), then start it with a fresh --state "
+                    "and --join TOKEN"
+                )
+            # Started again as it was first started (shell history, a service's command line): it is a member already.
+            log_line(f"this node already belongs to cluster {mine}: --join was not used (it is needed only the first time)")
+            seeds += (decode_token(join).seed,)  # a member still, where mDNS may not pass
     except (ClusterError, PeerError) as error:
         raise StartError(f"cannot join: {error}") from None
     if cluster is None:

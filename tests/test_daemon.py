@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pwd
 import signal
@@ -11,6 +12,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,3 +233,56 @@ def test_leases_held_when_gpubroker_init_gives_the_node_its_identity_are_then_th
     assert (again["state"], again["node"], again["epoch"]) == ("granted", node, lease["epoch"])
     listed = broker.client().call("GET", "/v1/leases", query={"node": node})["leases"]
     assert [x["id"] for x in listed] == [lease["id"]]
+
+
+def test_a_member_started_again_with_the_join_it_was_first_started_with_runs_as_the_member_it_is(
+    broker_process: type[BrokerProcess], tmp_path: Path
+) -> None:
+    """`gpubroker up --join TOKEN` again from the shell's history, or a service's command line: the node is a member
+    already. A token of another cluster, or for a node removed from its own, is refused saying what to do."""
+    from gpubroker.gossip.cluster import ClusterState
+    from gpubroker.gossip.identity import Identity
+    from gpubroker.gossip.keyring import cluster_hash
+
+    broker = broker_process("1x24GiB", ["--no-mdns", "--gossip", f"127.0.0.1:{free_port()}"])
+    made = subprocess.run(
+        [sys.executable, "-m", "gpubroker", "init", "--state", str(broker.state)], capture_output=True, text=True, timeout=60
+    )
+    assert made.returncode == 0, made.stderr
+    broker.start()
+    node = broker.client().call("GET", "/healthz")["node"]
+    token = broker.client().call("POST", "/v1/cluster/invites", {"ttl": "10m"})["token"]
+    broker.stop()
+    mine = cluster_hash(json.loads((broker.state / "cluster.json").read_text())["cluster_id"])
+
+    broker.extra += ["--join", token]
+    broker.start()
+    assert (
+        f"gpubroker: this node already belongs to cluster {mine}: --join was not used (it is needed only the first time)\n" in broker.output
+    )
+    shown = broker.client().call("GET", "/v1/cluster")
+    assert ([n["id"] for n in shown["nodes"]], shown["removed"]) == ([node], None)
+    broker.stop()
+
+    stranger = Identity.load_or_create(tmp_path / "other")
+    other = ClusterState.init(tmp_path / "other", stranger, "other", now=time.time())
+    up = [sys.executable, "-m", "gpubroker", "up", "--state", str(broker.state), "--socket", str(broker.socket), "--no-mdns"]
+    refused = subprocess.run(
+        [*up, "--join", other.invite(("127.0.0.1", 9), stranger, 600, time.time())], capture_output=True, text=True, timeout=60
+    )
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"gpubroker: {broker.state} already belongs to cluster {mine}, and this token is for cluster "
+        f"{cluster_hash(other.cluster_id)}: to move this node, remove it there (`gpubroker nodes remove {node}` on a member), "
+        "then start it with a fresh --state and --join TOKEN\n",
+    )
+
+    own = ClusterState.load(broker.state)
+    assert own is not None
+    own.merge({"removed": {node: time.time()}}, time.time())  # as a member's push-pull tells a node removed while it was down
+    refused = subprocess.run([*up, "--join", token], capture_output=True, text=True, timeout=60)
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"gpubroker: this node was removed from cluster {mine}: to join again it needs a new identity, "
+        "a fresh --state with `gpubroker up --join TOKEN`\n",
+    )
