@@ -799,7 +799,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         return 0
     for member in answer["members"]:
         name = _pad(printable_text(member["name"] or "-"), 20)
-        print(f"{member['id']}  {name} {member['state']:8} admitted by {member['admitted_by'] or '-'}")
+        renamed = member.get("admitted_as")
+        also = f" as {printable_text(renamed)}" if renamed and renamed != member["name"] else ""
+        print(f"{member['id']}  {name} {member['state']:8} admitted by {member['admitted_by'] or '-'}{also}")
     for pending in answer["pending"]:
         print(f"{pending['id']}  {_pad(printable_text(pending['name'] or '-'), 20)} pending  from {pending['addr']}")
     for removed in answer["removed"]:

@@ -155,6 +155,28 @@ def test_status_tells_apart_nodes_that_share_a_name_by_their_ids(capsys: pytest.
     ]
 
 
+def test_nodes_list_shows_the_name_a_member_goes_by_and_the_one_it_was_admitted_with(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Broker:
+        def __init__(self, timeout: float | None = None) -> None: ...
+
+        def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+            assert (method, path) == ("GET", "/v1/cluster/nodes")
+            members = [
+                {"id": "n-a", "name": "tower", "admitted_as": "tower", "admitted_by": "n-a", "state": "self"},
+                {"id": "n-b", "name": "nuc2", "admitted_as": "nuc", "admitted_by": "n-a", "state": "alive"},  # up --name nuc2
+            ]
+            return {"members": members, "pending": [], "removed": []}
+
+    monkeypatch.setattr(cli, "Client", Broker)
+    assert cli.main(["nodes", "list"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "n-a  tower                self     admitted by n-a",
+        "n-b  nuc2                 alive    admitted by n-a as nuc",
+    ]
+
+
 def test_status_of_a_node_removed_from_its_cluster_says_so_and_how_to_join_again(capsys: pytest.CaptureFixture[str]) -> None:
     cluster = {"coordinator": None, "removed": 1796035200.0, "nodes": [{"id": "n-a", "name": "tower", "self": True, "state": "removed"}]}
     cli._print_cluster(cluster)

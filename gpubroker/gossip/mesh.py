@@ -846,11 +846,21 @@ class Mesh:
     def nodes_json(self) -> dict[str, Any]:
         # A removed node hears no member any more: the states it last heard would show its former cluster alive for ever.
         removed = self.cluster.is_removed(self.node_id)
-        states = {m.node: m.state.value for m in self.membership.members()} if self._membership and not removed else {}
+        heard = {m.node: m for m in self.membership.members()} if self._membership else {}
+        states = {node: m.state.value for node, m in heard.items()} if not removed else {}
+
+        def name_now(node: str, admitted_as: str) -> str:
+            # A node started again with another --name goes by it: the name it was admitted with is kept beside it.
+            if node == self.node_id:
+                return self.broker.config.name
+            meta = _Meta.decode(heard[node].meta) if node in heard else None
+            return meta.name if meta else admitted_as
+
         members = [
             {
                 "id": node,
-                "name": entry["name"],
+                "name": name_now(node, entry["name"]),
+                "admitted_as": entry["name"],
                 "admitted_by": entry["admitted_by"],
                 "state": "self" if node == self.node_id else states.get(node, "unknown"),
             }

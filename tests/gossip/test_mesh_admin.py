@@ -21,7 +21,7 @@ from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, deco
 from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.keyring import key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
-from gpubroker.gossip.mesh import Mesh, MeshSettings, join_cluster
+from gpubroker.gossip.mesh import Mesh, MeshSettings, _Meta, join_cluster
 from gpubroker.gossip.transport import PeerServer
 
 NOW = 1_800_000_000.0
@@ -122,6 +122,16 @@ async def test_a_member_down_during_a_rotation_adopts_it_and_the_removed_key_com
     reloaded = ClusterState.load(b.cluster.path.parent)
     assert reloaded is not None
     assert reloaded.keys_list() == [(new, True)]
+
+
+async def test_a_member_started_again_under_another_name_is_listed_by_it_beside_the_name_it_was_admitted_with(
+    pair: tuple[Mesh, Mesh],
+) -> None:
+    a, b = pair
+    b.membership.set_meta(b.clock(), _Meta("node-b2", "127.0.0.1:9740", 0).encode())  # `gpubroker up --name node-b2`
+    await a._push_pull(b.membership.addr)
+    listed = {m["id"]: (m["name"], m["admitted_as"], m["state"]) for m in a.nodes_json()["members"]}
+    assert listed == {a.node_id: ("node-a", "node-a", "self"), b.node_id: ("node-b2", "node-b", "alive")}
 
 
 async def test_a_removed_node_is_told_by_its_remover_and_stops_showing_its_cluster(pair: tuple[Mesh, Mesh]) -> None:
