@@ -673,7 +673,7 @@ class Mesh:
         try:
             self.cluster.approve(node, self.node_id, self.clock())
         except ClusterError as error:
-            raise BrokerError(FailureCode.NOT_FOUND, str(error), {"node": node}) from None
+            raise BrokerError(FailureCode.NOT_FOUND, f"{error}{self._named(node)}", {"node": node}) from None
         if self._server is not None:
             self._server.trust(self.cluster.members_der()[node])
         self.broker.record_event("mesh.join.approved", f"node {node} was approved and may join", details={"node": node})
@@ -880,8 +880,11 @@ class Mesh:
         try:
             self.cluster.remove(node, self.clock())
         except ClusterError as error:
+            unknown = "unknown" in str(error)
             raise BrokerError(
-                FailureCode.NOT_FOUND if "unknown" in str(error) else FailureCode.FORBIDDEN, str(error), {"node": node}
+                FailureCode.NOT_FOUND if unknown else FailureCode.FORBIDDEN,
+                f"{error}{self._named(node) if unknown else ''}",
+                {"node": node},
             ) from None
         self.view.forget(node)
         told = der is not None and member is not None and member.state not in GONE and await self._tell_removed(node, member.addr, der)
@@ -891,6 +894,12 @@ class Mesh:
             details={"node": node, "told": told},
         )
         return self.nodes_json()
+
+    def _named(self, given: str) -> str:
+        """What to add to a refusal for an unknown node id when a member or a node asking to join goes by that name."""
+        listed = self.nodes_json()
+        ids = sorted(n["id"] for n in listed["members"] + listed["pending"] if given in (n["name"], n.get("admitted_as")))
+        return f"; {given} is the name of {', '.join(ids)}: give the node's id, as `gpubroker nodes list` shows it" if ids else ""
 
     async def _tell_removed(self, node: str, addr: Addr, der: bytes) -> bool:
         """Send the removed node this cluster's tombstones over mutual TLS, pinned to the certificate it was admitted

@@ -134,6 +134,19 @@ async def test_a_member_started_again_under_another_name_is_listed_by_it_beside_
     assert listed == {a.node_id: ("node-a", "node-a", "self"), b.node_id: ("node-b2", "node-b", "alive")}
 
 
+async def test_removing_or_approving_a_node_by_its_name_says_to_give_its_id(pair: tuple[Mesh, Mesh]) -> None:
+    a, b = pair
+    with pytest.raises(
+        BrokerError, match=rf"^unknown node node-b: .*; node-b is the name of {b.node_id}: give the node's id, as `gpubroker nodes list`"
+    ):
+        await a.remove("node-b")
+    with pytest.raises(BrokerError, match=rf"; node-b is the name of {b.node_id}: give the node's id"):
+        a.approve("node-b")
+    with pytest.raises(BrokerError, match=r"^unknown node nobody: neither a member nor asking to join$"):
+        await a.remove("nobody")
+    assert b.node_id in {m["id"] for m in a.nodes_json()["members"]}
+
+
 async def test_a_removed_node_is_told_by_its_remover_and_stops_showing_its_cluster(pair: tuple[Mesh, Mesh]) -> None:
     a, b = pair
     await a._push_pull(b.membership.addr)  # node-a hears that node-b is alive, and where
