@@ -409,6 +409,15 @@ class _Terminal:
             self._fd = None
 
 
+def _tell(line: str) -> None:
+    """A line on standard error from `gpubroker lease` once CMD runs. One that cannot be written (the terminal hung up
+    under a job sent to the background, a reader gone) is lost, and nothing else: the renewals, the stop of CMD once
+    its lease has run out and CMD's exit code must not end with it."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError, ValueError):
+            print(line, file=sys.stderr, flush=True)
+
+
 def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], granted: float) -> int:
     """Run CMD under the lease granted at `granted` (on the monotonic clock): renewed while CMD runs, released after."""
     token = {"X-Lease-Token": lease["token"]}
@@ -424,7 +433,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
             preexec_fn=_gate_in_child(gate[0], _die_with_parent(os.getpid())),
         )
     except OSError as error:
-        print(f"gpubroker: cannot run {command[0]}: {error.strerror}", file=sys.stderr)
+        _tell(f"gpubroker: cannot run {command[0]}: {error.strerror}")
         with contextlib.suppress(ClientError):
             client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token, timeout=patience)
         return 127
@@ -444,7 +453,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     finally:
         os.close(gate[1])
     if failed is not None:  # CMD never started, and the lease goes with it
-        print(f"gpubroker: {failed}", file=sys.stderr)
+        _tell(f"gpubroker: {failed}")
         terminal.take_back()
         child.wait()
         with contextlib.suppress(ClientError):
@@ -478,10 +487,9 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
         while not done.wait(wait):
             if time.monotonic() >= runs_out:
                 # The broker may expire it, grant its room to others, at any moment: CMD goes, as it would with the broker.
-                print(
+                _tell(
                     f"gpubroker: lease {lease['id']} has run out: no renewal has worked for its whole TTL ({ttl:g}s), so CMD is "
-                    f"stopped (SIGTERM, SIGKILL after {STOP_GRACE:g}s): work never goes on without its lease",
-                    file=sys.stderr,
+                    f"stopped (SIGTERM, SIGKILL after {STOP_GRACE:g}s): work never goes on without its lease"
                 )
                 _stop_group(child.pid, done)
                 return
@@ -490,7 +498,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
                 timeout = max(0.1, min(patience, runs_out - time.monotonic()))
                 renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token, timeout=timeout)["lease"]
             except ClientError as error:
-                print(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}", file=sys.stderr)
+                _tell(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}")
                 if error.status in (404, 409):  # the lease has ended: so does CMD, even if the broker could not see to it
                     _stop_group(child.pid, done)
                     return
@@ -499,7 +507,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
                 continue
             runs_out, wait = time.monotonic() + ttl, ttl / 3
             if failed:
-                print(f"gpubroker: lease {lease['id']} renewed again: it expires {renewed['expires_at']}", file=sys.stderr)
+                _tell(f"gpubroker: lease {lease['id']} renewed again: it expires {renewed['expires_at']}")
                 failed = False
 
     renewer = threading.Thread(target=renew, daemon=True)
@@ -606,21 +614,20 @@ def _release_after(client: Client, lease_id: str, token: dict[str, str], patienc
     try:
         now = _when_reachable(lambda: client.call("GET", f"/v1/leases/{lease_id}", timeout=patience))["lease"]
         if now.get("state") not in (None, "granted"):
-            print(f"gpubroker: lease {lease_id} was {now['state']} before CMD ended: {now.get('reason')}", file=sys.stderr)
+            _tell(f"gpubroker: lease {lease_id} was {now['state']} before CMD ended: {now.get('reason')}")
             return
     except ClientError as error:
         if error.code == "TIMEOUT":  # a release would wait as long for nothing; the lease is bound to this process
-            print(
+            _tell(
                 f"gpubroker: lease {lease_id} is not released: {error.message}; it is released once the broker sees that "
-                "its holder is gone (this process, which exits now)",
-                file=sys.stderr,
+                "its holder is gone (this process, which exits now)"
             )
             return
     try:
         client.call("DELETE", f"/v1/leases/{lease_id}", headers=token, timeout=patience)
     except ClientError as error:
         if error.status not in (404, 409):
-            print(f"gpubroker: releasing {lease_id}: {error.code}: {error.message}", file=sys.stderr)
+            _tell(f"gpubroker: releasing {lease_id}: {error.code}: {error.message}")
 
 
 def _when_reachable(call: Callable[[], Any], patience: float = 5.0) -> Any:

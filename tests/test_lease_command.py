@@ -330,6 +330,35 @@ def test_cmd_is_stopped_once_its_lease_has_certainly_run_out_with_the_broker_ans
     wait_for(lambda: broker.client().call("GET", "/v1/leases", query={"state": "granted"})["leases"] == [], timeout=10.0)
 
 
+def test_cmd_is_stopped_once_its_lease_has_run_out_even_where_gpubroker_lease_can_no_longer_write_what_happens(
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+) -> None:
+    """A terminal gone (an SSH session dropped under a job sent to the background) fails every line written to it: the
+    first failed renewal's line ended the renewals, and CMD ran on unleased and was never stopped, nor its code passed on."""
+    broker = start_broker(gpubroker, broker_process)
+    started = tmp_path / "started"
+    cmd = ["sh", "-c", f'trap "exit 3" TERM; touch {started}; sleep 600 & wait']
+    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "3s", "--", *cmd]
+    holder = subprocess.Popen(argv, env=broker.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert holder.stderr is not None
+    holder.stderr.close()  # nobody reads what it says: each line it writes fails (EPIPE)
+    wait_for(started.exists, timeout=20.0)
+    lease = granted_to(broker.client(), holder.pid)
+    assert lease is not None
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert holder.wait(30) == 3  # CMD got SIGTERM once the lease had run out, and its exit code is passed on
+    finally:
+        broker.proc.send_signal(signal.SIGCONT)
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+        for pgid in lease["process_groups"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
 # CMD for the ignored-signals test, run as `python CMD_NOTING GOT READY`: it says which signals it was started with
 # ignored, then handles SIGHUP, SIGINT and SIGTERM whatever its caller meant (as many servers do), noting each it gets.
 CMD_NOTING = """\
@@ -624,14 +653,18 @@ def said_within(fd: int, timeout: float = 30.0) -> str:
 
 
 def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_and_fg_or_bg_continues_them(
-    gpubroker: list[str], broker_process: MakeBroker
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
 ) -> None:
     broker = start_broker(gpubroker, broker_process)
     client = broker.client()
-    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "2s", "--", "sh", "-c", "sleep 1; read x; echo got $x; sleep 60"]
+    # CMD reads the terminal at once, forking nothing first: a Ctrl-Z that reaches a child dash has vforked and not yet
+    # exec'd stops that child alone, and dash, waiting on it, never stops until it is continued (under any shell).
+    reading = tmp_path / "reading"
+    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "2s", "--", "sh", "-c", f": > {reading}; read x; echo got $x; sleep 60"]
     with at_a_terminal(argv, broker.env) as term:
         lease, holder, cmd = the_jobs_lease(client)
         wait_for(lambda: os.tcgetpgrp(term.master) == cmd, timeout=5.0)  # CMD has the terminal
+        wait_for(reading.exists, timeout=10.0)
 
         os.write(term.master, b"\x1a")  # Ctrl-Z
         assert said_within(term.said) == f"stopped {holder}\n"  # the job stopped, as the shell sees it, and it has its terminal
@@ -661,7 +694,9 @@ def test_a_job_sent_to_the_background_with_bg_leaves_the_shell_its_terminal_when
     """An interactive shell that finds its terminal given to another group reads nothing more: bash exits."""
     broker = start_broker(gpubroker, broker_process)
     go = tmp_path / "go"
-    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--", "sh", "-c", 'until [ -e "$0" ]; do sleep 0.05; done', str(go)]
+    # CMD forks nothing (as in the Ctrl-Z test above): a shell's loop of `sleep` could be stopped halfway through a vfork.
+    wait_until_go = f"import os, sys, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)"
+    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--", sys.executable, "-c", wait_until_go]
     with at_a_terminal(argv, broker.env) as term:
         _, holder, cmd = the_jobs_lease(broker.client())
         wait_for(lambda: os.tcgetpgrp(term.master) == cmd, timeout=5.0)
