@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from conftest import BINARY, BrokerProcess, wait_for
 
@@ -624,6 +625,12 @@ def at_a_terminal(argv: list[str], env: dict[str, str], background: bool = False
     try:
         yield Terminal(shell, master, said, tell)
     finally:
+        # The job is in process groups of its own, which the shell's end does not reach: a test that failed halfway
+        # leaves none of it behind (stopped, it would wait for ever).
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if process.pid != shell.pid and os.getsid(process.pid) == shell.pid:
+                    process.kill()
         if shell.poll() is None:
             shell.kill()
             shell.wait(10)
