@@ -413,9 +413,16 @@ def _tell(line: str) -> None:
     """A line on standard error from `gpubroker lease` once CMD runs. One that cannot be written (the terminal hung up
     under a job sent to the background, a reader gone) is lost, and nothing else: the renewals, the stop of CMD once
     its lease has run out and CMD's exit code must not end with it."""
-    if sys.stderr is not None:
-        with contextlib.suppress(OSError, ValueError):
-            print(line, file=sys.stderr, flush=True)
+    if sys.stderr is None:
+        return
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        # What stays buffered would fail again at exit, and make the exit status 120 in place of CMD's: it goes, with
+        # what follows, to /dev/null.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+            sys.stderr.flush()
 
 
 def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], granted: float) -> int:
