@@ -80,10 +80,15 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     """Start `gpubroker lease ...` with its output in a file; everything it left running is killed afterwards."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = (tmp_path / f"lease{len(started)}.log").open("wb")
-        with log:
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    def start(argv: list[str], env: dict[str, str], read: bool = True) -> subprocess.Popen[bytes]:
+        """Unread: its output goes to a pipe nobody reads (a terminal gone), where every line it writes fails."""
+        if read:
+            with (tmp_path / f"lease{len(started)}.log").open("wb") as log:
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        else:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            assert proc.stdout is not None
+            proc.stdout.close()
         started.append(proc)
         return proc
 
@@ -300,15 +305,17 @@ def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_e
     assert broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"holder pid {holder.pid} exited"
 
 
+@pytest.mark.parametrize("read", [True, False], ids=["said", "unread"])
 def test_cmd_is_stopped_once_its_lease_has_certainly_run_out_with_the_broker_answering_no_renewal(
-    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path, read: bool
 ) -> None:
     """Work never goes on without its lease: with the broker stopped for good, CMD ran on unleased, its memory
-    free for the broker to grant once it ran again, while `gpubroker lease` said only that renewals failed."""
+    free for the broker to grant once it ran again, while `gpubroker lease` said only that renewals failed. Unread (a
+    terminal gone under a job sent to the background), the first failed renewal's line ended the renewals for good."""
     broker = start_broker(gpubroker, broker_process)
     started = tmp_path / "started"
     cmd = ["sh", "-c", f'trap "exit 3" TERM; touch {started}; sleep 600 & wait']
-    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "3s", "--", *cmd], broker.env)
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "3s", "--", *cmd], broker.env, read=read)
     # CMD runs once `gpubroker lease` has the broker's answer to its group's registration: stopped before that answer
     # left, the broker would fail the registration rather than the renewals.
     wait_for(started.exists, timeout=20.0)
@@ -318,46 +325,21 @@ def test_cmd_is_stopped_once_its_lease_has_certainly_run_out_with_the_broker_ans
     broker.proc.send_signal(signal.SIGSTOP)
     try:
         assert holder.wait(30) == 3, lease_log(tmp_path)  # CMD got SIGTERM, and its exit code is passed on
-        said = lease_log(tmp_path)
-        assert f"gpubroker: lease {lease['id']} could not be renewed: TIMEOUT: " in said
-        assert re.search(
-            rf"^gpubroker: lease {lease['id']} has run out: no renewal has worked for its whole TTL \(3s\), so CMD is stopped "
-            r"\(SIGTERM, SIGKILL after 10s\): work never goes on without its lease$",
-            said,
-            re.MULTILINE,
-        ), said
+        if read:
+            said = lease_log(tmp_path)
+            assert f"gpubroker: lease {lease['id']} could not be renewed: TIMEOUT: " in said
+            assert re.search(
+                rf"^gpubroker: lease {lease['id']} has run out: no renewal has worked for its whole TTL \(3s\), so CMD is stopped "
+                r"\(SIGTERM, SIGKILL after 10s\): work never goes on without its lease$",
+                said,
+                re.MULTILINE,
+            ), said
     finally:
         broker.proc.send_signal(signal.SIGCONT)
-    wait_for(lambda: broker.client().call("GET", "/v1/leases", query={"state": "granted"})["leases"] == [], timeout=10.0)
-
-
-def test_cmd_is_stopped_once_its_lease_has_run_out_even_where_gpubroker_lease_can_no_longer_write_what_happens(
-    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
-) -> None:
-    """A terminal gone (an SSH session dropped under a job sent to the background) fails every line written to it: the
-    first failed renewal's line ended the renewals, and CMD ran on unleased and was never stopped, nor its code passed on."""
-    broker = start_broker(gpubroker, broker_process)
-    started = tmp_path / "started"
-    cmd = ["sh", "-c", f'trap "exit 3" TERM; touch {started}; sleep 600 & wait']
-    argv = [*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "3s", "--", *cmd]
-    holder = subprocess.Popen(argv, env=broker.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert holder.stderr is not None
-    holder.stderr.close()  # nobody reads what it says: each line it writes fails (EPIPE)
-    wait_for(started.exists, timeout=20.0)
-    lease = granted_to(broker.client(), holder.pid)
-    assert lease is not None
-    assert broker.proc is not None
-    broker.proc.send_signal(signal.SIGSTOP)
-    try:
-        assert holder.wait(30) == 3  # CMD got SIGTERM once the lease had run out, and its exit code is passed on
-    finally:
-        broker.proc.send_signal(signal.SIGCONT)
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait(10)
-        for pgid in lease["process_groups"]:
+        for pgid in lease["process_groups"]:  # CMD left running had the test failed
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
+    wait_for(lambda: broker.client().call("GET", "/v1/leases", query={"state": "granted"})["leases"] == [], timeout=10.0)
 
 
 # CMD for the ignored-signals test, run as `python CMD_NOTING GOT READY`: it says which signals it was started with
