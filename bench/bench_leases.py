@@ -44,6 +44,7 @@ import psutil
 from aiohttp import web
 from common import BenchError, arguments, conduct, load_line, meets, percentile
 
+from gpubroker.broker.lease import Holder, Lease, LeasedGpu
 from gpubroker.broker.store import Store, Write, seq_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -491,26 +492,23 @@ def store_group_commit(path: Path, commits: int, concurrency: int) -> dict[str, 
 
 
 def _grant_writes(i: int) -> list[Write]:
-    """What one grant writes (as Broker._grant does): the lease record, the epochs, the event."""
-    lease = f"l-{i & 0xFFFFFFFFFFFF:012x}"
+    """What one grant writes (as Broker._grant does): the lease's record, made by the real `Lease`, and its event. The
+    epochs ride inside the record."""
+    lease_id = f"l-{i & 0xFFFFFFFFFFFF:012x}"
     now = time.time()
-    record = {
-        "id": lease, "node": "n-bench", "state": "granted", "epoch": i, "priority": "normal", "preemption": "never",
-        "bind": "none", "holder": {"name": "bench", "pid": 4242, "uid": 0, "start_time": now},
-        "gpus": [{"index": 0, "uuid": "GPU-sim-0", "bytes": 64 * 2**20, "epoch": i}], "exclusive": False, "cpu_cores": 0,
-        "memory": 0, "labels": {}, "token_hash": "0" * 64, "requested_at": now, "granted_at": now, "expires_at": now + 600,
-        "ttl": 600.0, "pgids": [], "ended_at": None, "reason": None,
-    }  # fmt: skip
+    lease = Lease(
+        id=lease_id, node="n-bench", state="granted", epoch=i, priority="normal", preemption="never", bind="none",
+        holder=Holder(name="bench", pid=4242, uid=0, start_time=now), gpus=[LeasedGpu(0, "GPU-sim-0", 64 * 2**20, i)],
+        exclusive=False, cpu_cores=0, memory=0, labels={}, token_hash="0" * 64, requested_at=now, granted_at=now,
+        expires_at=now + 600, ttl=600.0,
+    )  # fmt: skip
     event = {
-        "seq": i & 0xFFFFFFFF, "time": "2026-01-01T00:00:00.000Z", "type": "lease.granted", "node": "n-bench", "lease": lease,
-        "gpu": "GPU-sim-0", "message": f"lease {lease} granted to bench (normal): GPU 0 0.06 GiB epoch {i}",
-        "details": {"gpus": ["GPU-sim-0"], "bytes": [64 * 2**20], "epoch": i, "waited": 0.0},
+        "seq": i & 0xFFFFFFFF, "time": now, "type": "lease.granted",
+        "message": f"lease {lease_id} granted to bench (normal): GPU 0 0.06 GiB epoch {i}",
+        "details": {"gpus": ["GPU-sim-0"], "bytes": [64 * 2**20], "epoch": i, "waited": 0.0}, "node": "n-bench",
+        "lease": lease_id, "gpu": "GPU-sim-0",
     }  # fmt: skip
-    return [
-        Write("leases", lease.encode(), record),
-        Write("meta", b"epochs", {"lease": i, "gpu": {"GPU-sim-0": i}}),
-        Write("events", seq_key(i & 0xFFFFFFFF), event),
-    ]
+    return [Write("leases", lease_id.encode(), lease.to_record()), Write("events", seq_key(i & 0xFFFFFFFF), event)]
 
 
 # ----- the broker's own figures -----------------------------------------------------------
