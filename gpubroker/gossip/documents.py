@@ -152,8 +152,8 @@ def fitting_labels(labels: dict[str, str]) -> dict[str, str]:
 
 def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any], shift: float = 0.0) -> dict[str, Any] | None:
     """A lease a node's document lists, in the API's shape of a lease as far as the document tells it
-    (None if the record is not one): a granted lease of `node`, its holder by name, each GPU with its UUID; its
-    times moved by `shift` onto the reader's clock (`ClusterView.shift`)."""
+    (None if the record is not one): a granted lease of `node`, its holder by name, each GPU with its UUID (a card the
+    driver no longer lists too); its times moved by `shift` onto the reader's clock (`ClusterView.shift`)."""
     lease_epoch, gpu_epochs = _epochs(record.get("epochs"))
     gpus = record.get("gpus")
     if not (
@@ -164,7 +164,9 @@ def listed_lease(body: dict[str, Any], node: str, record: dict[str, Any], shift:
     ):
         return None  # not a record this reader knows: a newer broker's, or a broken one
     try:
-        uuids = {gpu["index"]: gpu["uuid"] for gpu in body.get("gpus", []) if isinstance(gpu, dict)}
+        # A card the driver no longer lists keeps its index where no listed card has it (as `summarize` shows it).
+        uuids = {gpu["index"]: gpu["uuid"] for gpu in listed_missing(body)}
+        uuids.update({gpu["index"]: gpu["uuid"] for gpu in body.get("gpus", []) if isinstance(gpu, dict)})
         gpu_epochs += [None] * len(record["gpus"])
         return {
             "id": record["id"],

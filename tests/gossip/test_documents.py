@@ -222,6 +222,10 @@ def test_a_listed_lease_names_its_card_by_the_index_the_driver_gives_that_card_n
     assert summarize(node, [on_a])["leases"][0]["gpus"] == []  # GPU-a is gone, and its index is GPU-b's now: not shown on it
     on_c = {**lease, "gpus": [{"index": 3, "uuid": "GPU-c", "bytes": GIB, "epoch": 1}]}
     assert summarize(node, [on_c])["leases"][0]["gpus"] == [[3, GIB]]  # gone too, but no other card is GPU 3
+    # Peers name that card by its UUID, from the GPUs the document says are missing.
+    gone_c = {"index": 3, "uuid": "GPU-c", "name": "RTX 4090", "since": "2026-11-30T10:00:00.000Z", "leases": ["l-1"], "bytes": GIB}
+    body = summarize({**node, "missing_gpus": [gone_c]}, [on_c, lease])
+    assert [listed["gpus"][0]["uuid"] for listed in listed_leases(body, NODE)] == ["GPU-c", "GPU-b"]
 
 
 def test_a_node_with_more_leases_than_a_document_holds_lists_what_fits_and_counts_the_rest() -> None:
