@@ -16,6 +16,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -407,7 +408,9 @@ async def serve(
     """Run the broker (and its mesh, in a cluster) until cancelled; closing is idempotent and leaves the store consistent."""
     logging.getLogger("aiohttp.server").addFilter(_UNREADABLE)
     lock = lock_state(config.state_dir)
+    any_port: socket.socket | None = None
     try:
+        config, any_port = _bind_any_port(config)
         try:
             guard, tls = make_guard(config)
         except OSError as error:
@@ -443,7 +446,12 @@ async def serve(
             os.chmod(sock_path, 0o666)  # any local user may ask; the kernel tells us who they are
             host, _, port = config.listen.rpartition(":")
             try:
-                await web.TCPSite(runner, host.strip("[]"), int(port), ssl_context=tls).start()
+                if any_port is not None:
+                    site: web.BaseSite = web.SockSite(runner, any_port, ssl_context=tls)
+                    any_port = None  # the site's now, closed with it
+                else:
+                    site = web.TCPSite(runner, host.strip("[]"), int(port), ssl_context=tls)
+                await site.start()
             except OSError as error:
                 raise StartError(f"cannot listen on {config.listen}: {error.strerror}; give --listen HOST:PORT") from None
             if on_ready is not None:
@@ -462,7 +470,23 @@ async def serve(
                 with contextlib.suppress(OSError):
                     config.socket_path.unlink()
     finally:
+        if any_port is not None:
+            any_port.close()
         os.close(lock)
+
+
+def _bind_any_port(config: Config) -> tuple[Config, socket.socket | None]:
+    """`--listen HOST:0`: the port the kernel picks is bound at once, so that the ready line, and the address a cluster's
+    members are told, give the port the API is on rather than 0. Any other port is bound by the API's own site."""
+    host, _, port = config.listen.rpartition(":")
+    if int(port) != 0:
+        return config, None
+    bare = host.strip("[]")
+    try:
+        sock = socket.create_server((bare, 0), family=socket.AF_INET6 if ":" in bare else socket.AF_INET)
+    except OSError as error:
+        raise StartError(f"cannot listen on {config.listen}: {error.strerror}; give --listen HOST:PORT") from None
+    return replace(config, listen=f"{host}:{sock.getsockname()[1]}"), sock
 
 
 def raise_open_files_limit() -> None:
@@ -511,7 +535,7 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
             state += f" ({gpu['uuid']} is no longer listed by the driver: {held})"
         print(
             f"gpubroker ready: node {config.name} ({broker.node_id}), {state}; "
-            f"API on unix:{config.socket_path} and {'https' if beyond_loopback(config) else 'http'}://{config.listen}"
+            f"API on unix:{config.socket_path} and {'https' if beyond_loopback(config) else 'http'}://{broker.config.listen}"
             f"{' (signed-in UI, API token)' if config.ui_password_hash else ''}; state in {config.state_dir}",
             flush=True,
         )

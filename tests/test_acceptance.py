@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -452,6 +453,21 @@ def test_a_broker_listening_on_an_ipv6_address_given_bare_says_the_url_a_client_
     refused = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=bare, capture_output=True, text=True, timeout=30)
     assert refused.returncode == 1
     assert refused.stderr.endswith("(an IPv6 address goes in brackets: http://[::1]:9740)\n"), refused.stderr
+
+
+def test_a_broker_told_to_listen_on_port_0_says_the_port_it_got(broker_process: type[BrokerProcess]) -> None:
+    """`up --listen 127.0.0.1:0` served on a port the kernel picked and said `API on http://127.0.0.1:0`: nobody could
+    tell where it was."""
+    broker = broker_process("1x24GiB")
+    broker.extra = ["--listen", "127.0.0.1:0"]
+    broker.start()
+    said = re.search(r" and http://127\.0\.0\.1:(\d+);", broker.ready_line)
+    assert said is not None, broker.ready_line
+    assert int(said[1]) != 0, broker.ready_line
+    env = {**broker.env, "GPUBROKER_URL": f"http://127.0.0.1:{said[1]}"}
+    status = subprocess.run([sys.executable, "-m", "gpubroker", "status", "--json"], env=env, capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0, status.stderr
+    assert [gpu["uuid"] for gpu in json.loads(status.stdout)["cluster"]["nodes"][0]["gpus"]] == ["GPU-sim-0"]
 
 
 def test_a_client_that_finds_no_broker_where_it_looks_says_where_it_looked(broker_process: type[BrokerProcess], tmp_path: Path) -> None:
