@@ -379,6 +379,10 @@ class Mesh:
             if node not in self.cluster.members and node not in self._learning:
                 self._learning.add(node)
                 self._spawn(self._learn_member(node))
+            elif self.view.knows(node) is None:
+                # Its document is fetched on sight: it announces the next only on a change or after 10 s unchanged, and
+                # until then this node (just started, say) would show the member with no figures and no leases.
+                self._spawn(self._fetch_document(DocumentNotice(node, 0, 0)))
 
     async def _learn_member(self, node: str) -> None:
         """A node admitted by another member is heard of by gossip before its certificate arrives; a push-pull with a
@@ -524,7 +528,7 @@ class Mesh:
             if member is None:
                 return
             answer = await self._call(member.addr, {"op": "document", "node": notice.node}, expect=notice.node)
-            if answer and isinstance(answer.get("document"), bytes):
+            if answer and isinstance(answer.get("document"), bytes) and answer["document"]:  # empty: it has made none yet
                 self._take_document(answer["document"])
                 return
 

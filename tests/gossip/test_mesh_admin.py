@@ -18,6 +18,7 @@ from gpubroker.config import Config
 from gpubroker.errors import BrokerError
 from gpubroker.gossip import wire
 from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, decode_token
+from gpubroker.gossip.documents import Publisher, sign_document, summarize
 from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.keyring import key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
@@ -132,6 +133,19 @@ async def test_a_member_started_again_under_another_name_is_listed_by_it_beside_
     await a._push_pull(b.membership.addr)
     listed = {m["id"]: (m["name"], m["admitted_as"], m["state"]) for m in a.nodes_json()["members"]}
     assert listed == {a.node_id: ("node-a", "node-a", "self"), b.node_id: ("node-b2", "node-b", "alive")}
+
+
+async def test_a_member_heard_alive_whose_document_is_not_held_has_it_fetched_at_once(pair: tuple[Mesh, Mesh]) -> None:
+    """A node started again showed its members with no figures and no leases until each announced its next document:
+    on a change, or 10 s after the last one unchanged."""
+    a, b = pair
+    body = summarize({"node": {"id": a.node_id, "name": "node-a"}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}}, [])
+    made = Publisher(a.node_id, 1, a.identity.public_key_bytes).next(body, a.elapsed(), a.clock())
+    assert made is not None
+    a._own_document = sign_document(made, a.identity.sign)  # published before node-b started: no notice of it will come
+    await b._push_pull(a.membership.addr)  # node-b (re)starts and hears of node-a, alive
+    await asyncio.gather(*b._tasks)
+    assert b.view.knows(a.node_id) == (1, 1)
 
 
 async def test_removing_or_approving_a_node_by_its_name_says_to_give_its_id(pair: tuple[Mesh, Mesh]) -> None:
