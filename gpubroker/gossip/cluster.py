@@ -689,8 +689,9 @@ class ClusterState:
         self._save()
         return key_id(chosen)
 
-    def keys_remove(self, key: str) -> None:
-        """Stop accepting an installed key, named by its key id or given in base64, for good; refused for the primary."""
+    def keys_remove(self, key: str) -> str:
+        """Stop accepting an installed key, named by its key id or given in base64, for good; its key id. Refused for the
+        primary."""
         chosen = self._installed(key)
         try:
             self.keyring.remove(chosen)
@@ -699,6 +700,7 @@ class ClusterState:
         self._removed_keys.add(key_id(chosen))
         self._keys_version += 1
         self._save()
+        return key_id(chosen)
 
     def keys_merge(self, primary_b64: object, remote: object) -> bool:
         """Take in another member's primary key and `keys_state`; whether this keyring changed. Nothing a remote sends

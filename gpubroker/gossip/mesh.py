@@ -604,6 +604,9 @@ class Mesh:
             return {"removed": self.cluster.is_removed(self.node_id)}
         if op == "keys" and isinstance(request.get("change"), dict) and len(request["change"]) == 1:
             self._learn_keys(request.get("primary"), request.get("keys"))  # first: the sender's order, if this node missed a change
+            removed = request["change"].get("remove")
+            if isinstance(removed, str) and removed in self.cluster.removed_keys:
+                return {"ok": True}  # that order lists the key as removed, so taking it in removed it here: the change is made
             try:
                 self._apply_keys(request["change"])
             except (ClusterError, KeyError, TypeError, ValueError) as error:
@@ -929,8 +932,7 @@ class Mesh:
         elif "use" in change:
             applied = {"use": self.cluster.keys_use(str(change["use"]))}
         else:
-            self.cluster.keys_remove(str(change["remove"]))
-            applied = {"remove": str(change["remove"])}
+            applied = {"remove": self.cluster.keys_remove(str(change["remove"]))}
         if self._datagrams is not None:
             self._datagrams.keyring = self.cluster.keyring
         return applied

@@ -125,6 +125,21 @@ async def test_a_member_down_during_a_rotation_adopts_it_and_the_removed_key_com
     assert reloaded.keys_list() == [(new, True)]
 
 
+async def test_a_rotation_with_every_member_up_is_made_on_each_and_says_so(pair: tuple[Mesh, Mesh]) -> None:
+    """The README's rotation with node-b up: `keys remove OLD` reaches it with an order that already lists OLD as
+    removed, so taking that order in removes it there; that is the change made, not "no installed key"."""
+    a, b = pair
+    await a._push_pull(b.membership.addr)  # node-b is alive in node-a's view: the changes are sent to it
+    old = key_id(a.cluster.keyring.primary)
+    installed = await a.change_keys({"install": None})
+    assert installed["members"] == {b.node_id: "ok"}
+    new = next(k["id"] for k in installed["keys"] if not k["primary"])
+    assert (await a.change_keys({"use": new}))["members"] == {b.node_id: "ok"}
+    assert (await a.change_keys({"remove": old}))["members"] == {b.node_id: "ok"}
+    for mesh in (a, b):
+        assert [(k["id"], k["primary"]) for k in mesh.keys_json()["keys"]] == [(new, True)], mesh.node_id
+
+
 async def test_a_member_started_again_under_another_name_is_listed_by_it_beside_the_name_it_was_admitted_with(
     pair: tuple[Mesh, Mesh],
 ) -> None:
