@@ -122,14 +122,14 @@ def place(
             {"gpu": gpu.uuid, "index": gpu.index, "driver_error": gpu.error, "unreadable": [gpu.to_json()]},
         )
     if unread and request.gpus > len(usable):  # the cards that cannot be read might have served it
-        return _unreadable_refusal(f"{request.gpus} GPUs asked for; {len(usable)} can be read", unread)
+        return _unreadable_refusal(f"{request.gpus} GPU{'s' if request.gpus > 1 else ''} asked for; {len(usable)} can be read", unread)
     if request.gpu is not None and not usable:
         gpus = ", ".join(f"{b.reading.index} ({b.reading.uuid})" for b in budgets) or "none"
         return Refusal(FailureCode.CAPABILITY_UNAVAILABLE, f"no GPU {request.gpu!r} on this node; it has: {gpus}", {"gpu": request.gpu})
     if request.gpus > len(usable):
         return Refusal(
             FailureCode.CAPABILITY_UNAVAILABLE,
-            f"{request.gpus} GPUs asked for; this node has {len(usable)}",
+            f"{request.gpus} GPU{'s' if request.gpus > 1 else ''} asked for; this node has {len(usable)}",
             {"need_gpus": request.gpus, "gpus": len(usable)},
         )
     large_enough = [b for b in usable if request.gpu_memory <= b.figures.total - b.figures.reserve]

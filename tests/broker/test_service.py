@@ -735,6 +735,14 @@ async def test_a_gpu_that_cannot_be_read_is_not_offered_while_the_others_are_bro
     assert on_0["id"] != on_1["id"]
 
 
+async def test_a_node_whose_only_gpu_cannot_be_read_says_one_gpu_was_asked_for(make_node: Callable[..., Any]) -> None:
+    node = await make_node([24 * GIB])
+    node.probe.unreadable = {0: "nvmlDeviceGetMemoryInfo on GPU 0: GPU is lost (NVML error 15)"}
+    await node.sample()
+    error = await node.refused(gpu_memory="1GiB")
+    assert error.message.startswith("1 GPU asked for; 0 can be read; GPU 0 (GPU-fake-0) cannot be read")
+
+
 async def test_a_missing_card_listed_again_but_unreadable_is_said_found(make_node: Callable[..., Any]) -> None:
     """A leased card the driver stopped listing that comes back unreadable is listed again: `gpu.found` says so,
     and `gpu.unreadable` why it is not offered; read again, it says `gpu.readable`. Each once."""
