@@ -407,6 +407,13 @@ async def serve(
 ) -> None:
     """Run the broker (and its mesh, in a cluster) until cancelled; closing is idempotent and leaves the store consistent."""
     logging.getLogger("aiohttp.server").addFilter(_UNREADABLE)
+    if join is not None:  # a token that cannot be read is refused before anything is made in the state directory
+        from gpubroker.gossip.cluster import ClusterError, decode_token
+
+        try:
+            decode_token(join)
+        except ClusterError as error:
+            raise StartError(f"cannot join: {error}") from None
     lock = lock_state(config.state_dir)
     any_port: socket.socket | None = None
     try:

@@ -235,6 +235,22 @@ def test_leases_held_when_gpubroker_init_gives_the_node_its_identity_are_then_th
     assert [x["id"] for x in listed] == [lease["id"]]
 
 
+def test_a_join_token_that_cannot_be_read_is_refused_before_the_state_directory_is_made(tmp_path: Path) -> None:
+    """A mistyped token left an identity, a lock and a store behind (in /var/lib/gpubroker, by default) before it was
+    refused."""
+    state = tmp_path / "state"
+    argv = [sys.executable, "-m", "gpubroker", "up", "--state", str(state), "--socket", str(tmp_path / "api.sock")]
+    refused = subprocess.run(
+        [*argv, "--listen", "127.0.0.1:0", "--simulate-gpus", "1x24GiB", "--join", "gbj1.mistyped!"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("gpubroker: cannot join: not a join token: it has '!' at character"), refused.stderr
+    assert not state.exists()
+
+
 def test_a_member_started_again_with_the_join_it_was_first_started_with_runs_as_the_member_it_is(
     broker_process: type[BrokerProcess], tmp_path: Path
 ) -> None:
