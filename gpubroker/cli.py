@@ -26,7 +26,7 @@ from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
 from gpubroker.gossip.documents import listed_missing
-from gpubroker.units import UnitError, gib, parse_duration, parse_time, printable_text, rfc3339
+from gpubroker.units import UnitError, gib, parse_duration, parse_time, printable_text
 
 FOREVER = 10 * 365 * 86400
 
@@ -116,9 +116,9 @@ def _print_cluster(cluster: dict[str, Any]) -> None:
     """The other nodes as this node's mesh sees them: state, freshness, each GPU's schedulable figure (for the
     nodes up; a dead or departed node's last figures are not its room now)."""
     removed = cluster.get("removed")
-    if isinstance(removed, int | float):
+    if isinstance(removed, str):
         print(
-            f"this node was removed from its cluster at {rfc3339(removed)}: it gossips with no member any more; "
+            f"this node was removed from its cluster at {removed}: it gossips with no member any more; "
             "to join again it needs a new identity (a fresh --state, then `gpubroker up --join TOKEN`)"
         )
         return

@@ -178,7 +178,11 @@ def test_nodes_list_shows_the_name_a_member_goes_by_and_the_one_it_was_admitted_
 
 
 def test_status_of_a_node_removed_from_its_cluster_says_so_and_how_to_join_again(capsys: pytest.CaptureFixture[str]) -> None:
-    cluster = {"coordinator": None, "removed": 1796035200.0, "nodes": [{"id": "n-a", "name": "tower", "self": True, "state": "removed"}]}
+    cluster = {
+        "coordinator": None,
+        "removed": "2026-11-30T10:40:00.000Z",
+        "nodes": [{"id": "n-a", "name": "tower", "self": True, "state": "removed"}],
+    }
     cli._print_cluster(cluster)
     assert capsys.readouterr().out == (
         "this node was removed from its cluster at 2026-11-30T10:40:00.000Z: it gossips with no member any more; "

@@ -46,6 +46,7 @@ from gpubroker.gossip.keyring import cluster_hash, key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig, MemberView
 from gpubroker.gossip.messages import Addr, DocumentNotice, MemberState, Message, PushPull
 from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, PeerUnreachable, call_for_join, call_member, call_unpinned
+from gpubroker.units import rfc3339
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY = 0.5  # seconds between looks at our own figures; the Publisher keeps versions ≥ 1 s apart
@@ -988,7 +989,7 @@ class Mesh:
         return sorted(found, key=lambda f: f["age"])
 
     def cluster_json(self) -> dict[str, Any]:
-        """Every node the mesh knows; a node removed from its cluster shows only itself, and when it was removed."""
+        """Every node the mesh knows; a node removed from its cluster shows only itself, and when it was removed (RFC 3339)."""
         now = self.elapsed()
         removed = self.cluster.removed.get(self.node_id)
         nodes: list[dict[str, Any]] = [
@@ -1020,7 +1021,7 @@ class Mesh:
         announced = self.coordinator if self.coordinator is not None and self.coordinator.epoch > PROVISIONAL else None
         coordinator = {"id": announced.node, "epoch": announced.epoch} if announced and removed is None else None
         health = self.membership.health_score() if self._membership is not None else None
-        return {"nodes": nodes, "coordinator": coordinator, "health": health, "removed": removed}
+        return {"nodes": nodes, "coordinator": coordinator, "health": health, "removed": None if removed is None else rfc3339(removed)}
 
 
 def _has_room(gpu: dict[str, Any], request: LeaseRequest, leased: set[int]) -> bool:

@@ -24,6 +24,7 @@ from gpubroker.gossip.keyring import key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
 from gpubroker.gossip.mesh import Mesh, MeshSettings, _Meta, join_cluster
 from gpubroker.gossip.transport import PeerServer
+from gpubroker.units import rfc3339
 
 NOW = 1_800_000_000.0
 
@@ -185,7 +186,7 @@ async def test_a_removed_node_is_told_by_its_remover_and_stops_showing_its_clust
     assert "mesh.removed" in b.broker.kinds()  # type: ignore[attr-defined]
     assert b._removed  # its loops end: it gossips no more
     shown = b.cluster_json()
-    assert shown["removed"] == a.cluster.removed[b.node_id]
+    assert shown["removed"] == rfc3339(a.cluster.removed[b.node_id])  # as every time the API gives
     assert [(n["id"], n["state"]) for n in shown["nodes"]] == [(b.node_id, "removed")]  # nobody shown alive any more
     assert shown["coordinator"] is None
     assert {m["id"]: m["state"] for m in b.nodes_json()["members"]} == {a.node_id: "unknown"}  # not the "alive" it last heard
