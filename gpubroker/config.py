@@ -335,9 +335,9 @@ def load_config(path: Path | None = None, **overrides: Any) -> Config:
         if value is not None:
             values[name] = _parse_setting(name, value)
     config = replace(Config(), **values)
-    if config.staleness <= config.sample_interval:
+    if config.staleness <= config.sample_interval:  # both are set in the file alone (no flag gives either)
         raise ConfigError(
-            f"staleness ({config.staleness:g}s) must be longer than sample_interval ({config.sample_interval:g}s): "
+            f"{path}: staleness ({config.staleness:g}s) must be longer than sample_interval ({config.sample_interval:g}s): "
             "a GPU decision needs a reading younger than staleness, and readings come every sample_interval"
         )
     return config

@@ -44,7 +44,7 @@ def test_a_file_and_flags_make_one_config_with_flags_winning(tmp_path: Path) -> 
         ("queue_limit = 0", "setting queue_limit"),
         ('sample_interval = "0s"', "setting sample_interval: '0s' is under the least it may be, 0.1s"),
         ('staleness = "0s"', "setting staleness"),
-        ('staleness = "1s"', r"staleness \(1s\) must be longer than sample_interval \(1s\)"),
+        ('staleness = "1s"', r"^\S*gpubroker\.toml: staleness \(1s\) must be longer than sample_interval \(1s\)"),
         ('default_ttl = "0s"', "setting default_ttl: '0s' is under the least it may be, 1s"),
         ("max_body = 0", "setting max_body: 0 is under the least it may be, 1KiB"),
         ('store_size = "1KiB"', "setting store_size: '1KiB' is under the least it may be, 1MiB"),
