@@ -881,7 +881,8 @@ class Mesh:
 
     async def remove(self, node: str) -> dict[str, Any]:
         """A removed member's certificate is refused from its next connection on, everywhere the removal reaches; the
-        node itself is told, if it can be reached now, so that it stops (no member will talk to it again)."""
+        node itself is told, if it can be reached now, so that it stops (no member will talk to it again), and so are the
+        members alive now, by a push-pull each (the next periodic one is up to 30 s away)."""
         self._refuse_if_removed()
         der = self.cluster.members_der().get(node)
         member = self.membership.member(node) if self._membership is not None else None
@@ -895,6 +896,9 @@ class Mesh:
                 {"node": node},
             ) from None
         self.view.forget(node)
+        for other in self._others():
+            if other.node != node and other.state == MemberState.ALIVE:
+                self._spawn(self._push_pull(other.addr))
         told = der is not None and member is not None and member.state not in GONE and await self._tell_removed(node, member.addr, der)
         self.broker.record_event(
             "mesh.member.removed",

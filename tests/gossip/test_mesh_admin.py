@@ -192,6 +192,35 @@ async def test_a_removed_node_is_told_by_its_remover_and_stops_showing_its_clust
     assert {m["id"]: m["state"] for m in b.nodes_json()["members"]} == {a.node_id: "unknown"}  # not the "alive" it last heard
 
 
+async def test_a_removal_reaches_the_members_alive_at_once_not_at_their_next_push_pull(tmp_path: Path, pair: tuple[Mesh, Mesh]) -> None:
+    """Until then they went on showing the removed node, and taking its connections, for up to 30 s."""
+    a, b = pair
+    c_identity = Identity.load_or_create(tmp_path / "c")
+    secret = decode_token(a.cluster.invite(("127.0.0.1", 9741), a.identity, 600, NOW)).secret
+    grant = a.cluster.redeem(secret, c_identity.certificate_pem().decode(), "node-c", NOW, a.node_id)
+    clock = FakeClock(NOW)
+    c = await start(
+        tmp_path,
+        c_identity,
+        "node-c",
+        ClusterState.adopt(tmp_path / "cluster-c", c_identity, "node-c", JoinGrant.from_dict(grant.to_dict()), now=NOW),
+        clock,
+    )
+    try:
+        await c._push_pull(a.membership.addr)  # node-c knows node-b as a member, from node-a
+        assert b.node_id in c.cluster.members
+        await a._push_pull(b.membership.addr)  # node-a hears both alive
+        await a._push_pull(c.membership.addr)
+        await a.remove(b.node_id)
+        for _ in range(200):  # node-a's push-pulls run beside it (so do its fetches of documents none of them has made)
+            if c.cluster.is_removed(b.node_id):
+                break
+            await asyncio.sleep(0.01)
+        assert c.cluster.is_removed(b.node_id)
+    finally:
+        await stop(c)
+
+
 async def test_a_removed_node_administers_its_cluster_no_more_nor_starts_its_mesh_again(pair: tuple[Mesh, Mesh], tmp_path: Path) -> None:
     a, b = pair
     await a._push_pull(b.membership.addr)
