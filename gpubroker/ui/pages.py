@@ -672,9 +672,10 @@ def _local_path(target: str | None) -> str:
     return target
 
 
-def login_page(request: web.Request, status: int = 200, message: str = "") -> web.Response:
+def login_page(request: web.Request, status: int = 200, message: str = "", target: str | None = None) -> web.Response:
+    """The sign-in form; `target` is where a refused sign-in meant to go (else the page asked for, or `next`)."""
     node = request.app[BROKER].config.name
-    target = _local_path(request.query.get("next") or (request.path_qs if request.path != "/login" else "/"))
+    target = _local_path(target or request.query.get("next") or (request.path_qs if request.path != "/login" else "/"))
     warning = f'<p class="error" role="alert">{e(message)}</p>' if message else ""
     form = (
         f'<form method="post" action="/login"><input type="hidden" name="next" value="{e(target)}">'
@@ -707,7 +708,8 @@ async def login_form(request: web.Request) -> web.Response:
 async def login(request: web.Request) -> web.Response:
     guard = request.app[GUARD]
     form = await read_form(request)
-    password, target = form.get("password"), form.get("next")
+    password, asked = form.get("password"), form.get("next")
+    target = asked if isinstance(asked, str) else None  # kept through a refusal: the next try still lands there
     if guard.password_hash is None:
         return login_page(request, 403, "this node has no UI password (ui_password_hash): there is nothing to sign in to")
     sign_ins, address = request.app[SIGN_INS], SignIns.source(request.remote)
@@ -717,15 +719,15 @@ async def login(request: web.Request) -> web.Response:
         right = await sign_ins.check(address, password, guard.password_hash)
     else:
         _sign_in_refused(request, "too many at once")
-        answer = login_page(request, 429, "too many sign-in attempts at once; try again in a few seconds")
+        answer = login_page(request, 429, "too many sign-in attempts at once; try again in a few seconds", target)
         answer.headers["Retry-After"] = "2"
         return answer
     if not right:
         _sign_in_refused(request, "wrong password")
         await asyncio.sleep(0.2)
-        return login_page(request, 401, "wrong password")
+        return login_page(request, 401, "wrong password", target)
     session = guard.sessions.create()
-    answer = web.HTTPSeeOther(_local_path(target if isinstance(target, str) else None))
+    answer = web.HTTPSeeOther(_local_path(target))
     answer.set_cookie(SESSION_COOKIE, session.id, httponly=True, samesite="Strict", secure=guard.tls, path="/")
     request.app[BROKER].record_event("ui.signed_in", f"someone signed in to the web UI of {request.app[CONFIG].name}", details={})
     raise answer

@@ -140,6 +140,22 @@ async def test_a_wrong_password_gets_401_and_the_right_one_a_strict_http_only_co
     assert (await client.get("/")).status == 200
 
 
+async def test_a_deep_link_is_kept_through_a_wrong_password_and_reached_after_the_right_one(
+    guarded: tuple[TestClient[Any, Any], Broker],
+) -> None:
+    client, _ = guarded
+    deep = "/leases?state=granted&node=tower"
+    form = await (await client.get(deep)).text()
+    kept = 'name="next" value="/leases?state=granted&amp;node=tower"'
+    assert kept in form
+    wrong = await client.post("/login", data={"password": "guess", "next": deep}, allow_redirects=False)
+    assert wrong.status == 401
+    assert kept in await wrong.text()  # the form shown again still leads where the person meant to go
+    right = await client.post("/login", data={"password": PASSWORD, "next": deep}, allow_redirects=False)
+    assert right.status == 303
+    assert right.headers["Location"] == deep
+
+
 async def test_a_change_without_the_csrf_token_gets_403_and_changes_nothing(guarded: tuple[TestClient[Any, Any], Broker]) -> None:
     client, broker = guarded
     csrf = await sign_in(client)
