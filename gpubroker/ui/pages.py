@@ -755,7 +755,10 @@ async def logout(request: web.Request) -> web.Response:
 
 def _page(page: str) -> Callable[[web.Request], Any]:
     async def handler(request: web.Request) -> web.Response:
-        return web.Response(text=shell(request, page, PAGES[page][2](request)), content_type="text/html", charset="utf-8")
+        # Never kept by the browser: after signing out, Back must ask again (and get the sign-in form), not show the
+        # signed-in page with its CSRF token and release buttons from the cache.
+        text = shell(request, page, PAGES[page][2](request))
+        return web.Response(text=text, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
 
     return handler
 

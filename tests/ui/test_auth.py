@@ -236,6 +236,17 @@ async def test_signing_out_takes_the_csrf_token_and_ends_the_session(guarded: tu
     assert (await client.get("/")).status == 401
 
 
+async def test_no_signed_in_page_is_kept_by_the_browser_so_back_after_signing_out_asks_again(
+    guarded: tuple[TestClient[Any, Any], Broker],
+) -> None:
+    client, _ = guarded
+    await sign_in(client)
+    for path in ("/", "/node", "/leases", "/events", "/mesh", "/fragment/leases"):
+        answer = await client.get(path)
+        assert answer.status == 200, path
+        assert answer.headers.get("Cache-Control") == "no-store", path  # else Back shows it, CSRF token and all
+
+
 async def test_signed_in_pages_offer_release_and_invite_and_unsigned_ones_say_how(tmp_path: Path) -> None:
     client, broker = await serve(tmp_path, password=False)
     try:
