@@ -165,6 +165,10 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
             from gpubroker.ui import pages
 
             return pages.login_page(request, status=401)  # a person at a page gets the form to sign in
+        if request.method == "POST" and request.path == "/logout":  # its session had ended already: signed out, as asked
+            answer = web.Response(status=303, headers={"Location": "/login"})
+            answer.del_cookie(SESSION_COOKIE, path="/")
+            return answer
         return _refusal(request, error)
     except BrokerError as error:
         return _refusal(request, error)

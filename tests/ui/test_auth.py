@@ -236,6 +236,19 @@ async def test_signing_out_takes_the_csrf_token_and_ends_the_session(guarded: tu
     assert (await client.get("/")).status == 401
 
 
+async def test_signing_out_of_a_page_whose_session_has_ended_leads_to_the_sign_in_form(
+    guarded: tuple[TestClient[Any, Any], Broker],
+) -> None:
+    client, broker = guarded
+    csrf = await sign_in(client)
+    assert (await client.post("/logout", data={"csrf": csrf}, allow_redirects=False)).status == 303
+    # The sign-out button of another tab, or of a page left open over a restart or past its session's 12 hours.
+    out = await client.post("/logout", data={"csrf": csrf}, allow_redirects=False)
+    assert out.status == 303
+    assert out.headers["Location"] == "/login"
+    assert not [event for event in broker.events(0, 100)[0] if event["type"] == "request.refused"]
+
+
 async def test_no_signed_in_page_is_kept_by_the_browser_so_back_after_signing_out_asks_again(
     guarded: tuple[TestClient[Any, Any], Broker],
 ) -> None:
