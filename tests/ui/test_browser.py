@@ -388,3 +388,27 @@ def test_long_names_and_many_labels_wrap_inside_the_page_on_a_screen_and_a_phone
             lines = leases.evaluate("() => [...document.querySelectorAll('td code')].map(c => c.getClientRects().length)")
             assert max(lines) == 1, "a lease id wraps: the other columns leave it no room"
         assert not reader.errors, reader.errors
+
+
+def test_a_page_left_open_when_its_session_ends_goes_to_the_sign_in_form_and_back_after_it(
+    broker_process: type[BrokerProcess], browser: Any, tmp_path: Path
+) -> None:
+    """A page whose session ended (another tab signed out; a restart or the session's end alike) stayed as it was,
+    "offline", and never updated again, without a word that signing in again would bring it back."""
+    config = tmp_path / "password.toml"
+    config.write_text(f'ui_password_hash = "{hash_password(PASSWORD, n=2**10)}"\n')
+    lone = broker_process("1x24GiB", ["--config", str(config)]).start()
+    reader = tab(browser, lone.url, PASSWORD)
+    left_open = reader.open("/leases?state=granted")
+    wait_live(left_open)
+    other = reader.page.context.new_page()
+    other.goto(reader.base + "/")
+    other.get_by_role("button", name="sign out").click()
+    try:
+        left_open.wait_for_url(reader.base + "/login?next=*", timeout=15_000)
+    except Timeout:
+        raise AssertionError(f"the page left open still shows {left_open.url} 15 s after its session ended") from None
+    left_open.get_by_label("password").fill(PASSWORD)
+    left_open.get_by_role("button", name="sign in").click()
+    left_open.wait_for_url(reader.base + "/leases?state=granted")
+    assert not reader.errors, reader.errors

@@ -34,6 +34,12 @@
     }
     try {
       const answer = await fetch(main.dataset.fragment + location.search, { cache: "no-store" });
+      if (answer.status === 401) {
+        // Signed out (the broker restarted, the session ended, another tab signed out): a page that stayed would
+        // go stale without a word, so on to the sign-in form, which leads back here.
+        location.assign("/login?next=" + encodeURIComponent(location.pathname + location.search));
+        return;
+      }
       if (answer.ok) main.innerHTML = await answer.text();
     } catch (_) {
       // the broker is restarting: the stream's reconnect brings the next message
@@ -66,7 +72,8 @@
       status(false);
       if (channel) channel.postMessage({ kind: "status", live: false, id: lastId });
       if (source.readyState === EventSource.CLOSED) {
-        setTimeout(stream, 10000); // refused (429) or gone for good: the browser will not retry by itself
+        refresh(); // refused (401 once signed out, 429) or gone: the region's own fetch says which
+        setTimeout(stream, 10000); // the browser will not retry by itself
       }
     };
   }
