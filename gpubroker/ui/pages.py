@@ -186,28 +186,44 @@ def node_gpus(node: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+# A part of a bar narrower than this share of its GPU is a pixel or less, all border: drawn alone, 200 small leases
+# showed as a blank stretch of the bar. Such parts of one kind are drawn as one ("200 holders").
+NARROWEST = 0.01
+NAMES_SHOWN = 8  # in a GPU's line of figures, by kind; the rest are counted ("and 192 more 12.0")
+
+
 def segments(gpu: dict[str, Any]) -> list[tuple[str, str, int]]:
     """The bar's (kind, label, bytes): external by process name, resident, leased by holder, reserve, schedulable.
 
-    Named parts never exceed their figure: what the names leave over is shown as its own part.
+    Named parts never exceed their figure: what the names leave over is shown as its own part, and parts too
+    narrow to see are drawn together.
     """
     figures = gpu["figures"]
     out: list[tuple[str, str, int]] = []
+    narrowest = figures.get("total", 0) * NARROWEST
 
-    def split(kind: str, named: list[tuple[str, int]], whole: int, rest: str) -> None:
+    def split(kind: str, named: list[tuple[str, int]], whole: int, rest: str, many: str) -> None:
         left = whole
+        narrow: list[tuple[str, int]] = []
         for name, size in named:
             part = min(size, left)
             if part > 0:
-                out.append((kind, name, part))
+                if part < narrowest:
+                    narrow.append((name, part))
+                else:
+                    out.append((kind, name, part))
                 left -= part
+        if len(narrow) == 1:
+            out.append((kind, *narrow[0]))
+        elif narrow:
+            out.append((kind, f"{len(narrow)} {many}", sum(size for _, size in narrow)))
         if left > 0:
             out.append((kind, rest, left))
 
-    split("external", gpu["external"], figures.get("external", 0), "unattributed")
+    split("external", gpu["external"], figures.get("external", 0), "unattributed", "processes")
     if figures.get("resident", 0) > 0:
         out.append(("resident", "resident", figures["resident"]))
-    split("leased", gpu["holders"], figures.get("leased", 0), "beyond declared")
+    split("leased", gpu["holders"], figures.get("leased", 0), "beyond declared", "holders")
     out.append(("reserve", "reserve", figures.get("reserve", 0)))
     out.append(("schedulable", "schedulable", figures.get("schedulable", 0)))
     return out
@@ -225,10 +241,17 @@ def bar(gpu: dict[str, Any]) -> str:
     return f'<div class="bar" role="img" aria-label="{e(figures_text(gpu))}">{spans}</div>'
 
 
+def names_text(named: list[tuple[str, int]]) -> str:
+    """Names with their GiB ("comfyui 8.0, whisper 2.0"), the first NAMES_SHOWN only: 200 leases must not fill a card."""
+    shown = ", ".join(f"{name} {size / GIB:.1f}" for name, size in named[:NAMES_SHOWN])
+    if len(named) > NAMES_SHOWN:
+        shown += f" and {len(named) - NAMES_SHOWN} more {sum(size for _, size in named[NAMES_SHOWN:]) / GIB:.1f}"
+    return shown
+
+
 def figures_text(gpu: dict[str, Any]) -> str:
     f = gpu["figures"]
-    external = ", ".join(f"{name} {size / GIB:.1f}" for name, size in gpu["external"])
-    holders = ", ".join(f"{name} {size / GIB:.1f}" for name, size in gpu["holders"])
+    external, holders = names_text(gpu["external"]), names_text(gpu["holders"])
     words = [f"{gib(f.get('total'))} total", f"{f.get('external', 0) / GIB:.1f} external" + (f" ({external})" if external else "")]
     if f.get("resident", 0) > 0:
         words.append(f"{f['resident'] / GIB:.1f} resident")
