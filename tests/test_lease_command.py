@@ -261,7 +261,7 @@ def test_renewals_that_resume_after_the_broker_restarts_say_so(
     """A failed renewal is said ("start one with `gpubroker up`"): without a word when renewals work again, the user
     of a long job could only guess whether its lease was lost."""
     broker = start_broker(gpubroker, broker_process)
-    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "30s", "--", "sleep", "600"], broker.env)
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "15s", "--", "sleep", "600"], broker.env)
     wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
     broker.stop()
     wait_for(lambda: "could not be renewed" in lease_log(tmp_path), timeout=30.0)
