@@ -82,12 +82,15 @@ class Caller:
     def user(self) -> str | None:
         """The Unix user stamps apply to: the socket's caller, or the owner of a loopback TCP caller's end."""
         uid = self.uid if self.uid is not None else self.tcp_uid
-        if uid is None:
-            return None
-        try:
-            return pwd.getpwuid(uid).pw_name
-        except KeyError:
-            return str(uid)
+        return None if uid is None else _user_name(uid)
+
+
+def _user_name(uid: int) -> str:
+    """The Unix user's name, or the uid itself for one with no passwd entry."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 @dataclass(eq=False, slots=True)
@@ -1119,9 +1122,15 @@ class Broker:
             return
         if isinstance(lease, Lease) and lease.token_matches(token):
             return
+        # Named by its Unix user, not its holder name: that is the caller's word ("gpubroker", say), and the user is
+        # who may act on it; a lease asked for over TCP has none, and only its token or root may.
+        owner = "no Unix user (it was asked for over TCP)" if uid is None else f"user {_user_name(uid)} (uid {uid})"
+        given = "; the token given is not its" if token is not None else ""
         raise Forbidden(
-            f"lease {lease.id} belongs to {lease.holder.name or 'another holder'}: only its Unix user, root, or its token may act on it",
-            {"lease": lease.id},
+            f"lease {lease.id} ({lease.holder.name or 'an unnamed holder'}) belongs to {owner}: only "
+            f"{'root' if uid is None else 'that user or root'} on the Unix socket, or its token (X-Lease-Token; "
+            f"`gpubroker release ID --token T`), may act on it{given}",
+            {"lease": lease.id, "uid": uid},
         )
 
     def _live(self, lease_id: str) -> Lease:

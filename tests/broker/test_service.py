@@ -425,6 +425,25 @@ async def test_only_its_user_root_or_its_token_may_renew_or_release(make_node: C
     assert released.state == "released"
 
 
+async def test_a_refusal_to_act_on_a_lease_names_its_unix_user_and_what_would_do(make_node: Callable[..., Any]) -> None:
+    """Another user's release was refused with "lease L belongs to gpubroker": the holder name, the caller's word
+    (the CLI's own by default), and no user; nor did it say that a token was given and was not the lease's."""
+    node = await make_node()
+    nobody = pwd.getpwnam("nobody").pw_uid
+    lease, _ = await node.ask(Caller("unix", uid=nobody, pid=os.getpid()), gpu_memory="4GiB", holder={"name": "gpubroker"})
+    with pytest.raises(Forbidden) as refused:
+        await node.broker.release(lease["id"], Caller("unix", uid=1001, pid=1), None)
+    assert str(refused.value) == (
+        f"lease {lease['id']} (gpubroker) belongs to user nobody (uid {nobody}): only that user or root on the Unix socket, "
+        "or its token (X-Lease-Token; `gpubroker release ID --token T`), may act on it"
+    )
+    over_tcp, _ = await node.ask(gpu_memory="4GiB")
+    with pytest.raises(
+        Forbidden, match=r"belongs to no Unix user \(it was asked for over TCP\): only root on .*; the token given is not its$"
+    ):
+        await node.broker.renew(over_tcp["id"], Caller("unix", uid=1001, pid=1), "not-the-token", None)
+
+
 async def test_an_unknown_lease_is_not_found(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     with pytest.raises(NotFound):
