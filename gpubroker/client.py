@@ -190,6 +190,15 @@ class Client:
                 "what it asked may or may not have been done: look (`gpubroker leases`, `gpubroker events`) before asking again",
             ) from None
         except OSError as error:
+            if isinstance(error, PermissionError) and self.endpoint.is_unix:
+                # A broker may well answer there: this user is kept from its socket, which starting one would not change.
+                raise ClientError(
+                    0,
+                    "UNREACHABLE",
+                    f"this user (uid {os.getuid()}) may not reach the socket {self.endpoint.url.removeprefix('unix:')} "
+                    f"({error.strerror}): it, or a directory above it, is closed to other users; the broker's user may give "
+                    "--socket a path every user can reach, or name the broker's TCP address in GPUBROKER_URL (http://HOST:PORT, its --listen)",
+                ) from None
             raise ClientError(0, "UNREACHABLE", f"no broker answers at {self.endpoint.url} ({error}){self._hint()}") from None
         finally:
             connection.close()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -398,6 +399,41 @@ def test_a_broker_that_goes_away_with_a_request_is_not_said_to_be_missing(tmp_pa
     assert "went away while it handled POST /v1/leases" in gone.value.message
     assert "look (`gpubroker leases`, `gpubroker events`) before asking again" in gone.value.message
     assert "start one" not in gone.value.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to ask as another user")
+def test_a_user_kept_from_the_brokers_socket_is_told_so_not_to_start_a_broker(tmp_path: Path) -> None:
+    """A broker whose socket is in a directory closed to other users: they were told that no broker answers there
+    and to start one with `gpubroker up`, while one does, and starting another would not let them in."""
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    path = closed / "api.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    nobody = pwd.getpwnam("nobody")
+    reads, writes = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child asks as nobody and says through the pipe what it was told
+        said = "connected"
+        try:
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            Client(Endpoint(f"unix:{path}"), timeout=5).call("GET", "/healthz")
+        except ClientError as error:
+            said = str(error)
+        finally:
+            os.write(writes, said.encode())
+            os._exit(0)
+    os.close(writes)
+    with os.fdopen(reads, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(child, 0)
+    server.close()
+    assert said.startswith(f"UNREACHABLE: this user (uid {nobody.pw_uid}) may not reach the socket {path} (Permission denied)"), said
+    assert "--socket a path every user can reach" in said
+    assert "start one" not in said
 
 
 @pytest.mark.parametrize(
