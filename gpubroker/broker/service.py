@@ -1114,11 +1114,13 @@ class Broker:
         return next((w for w in self.waiters if w.id == lease_id), None)
 
     def authorize(self, lease: Lease | Waiter, caller: Caller, token: str | None) -> None:
-        """The lease's own Unix user, root, an admin, or its token: anyone else is FORBIDDEN."""
+        """The lease's own Unix user, root or the broker's own user, an admin, or its token: anyone else is FORBIDDEN."""
         if caller.admin is not None:
             return
         uid = lease.holder.uid
-        if caller.uid is not None and (caller.uid == 0 or (uid is not None and caller.uid == uid)):
+        # The broker's own user is its admin on the socket, as root is (it may stop the broker, and its releases
+        # forwarded to other nodes are an admin's there): a broker a user runs is not closed to that user.
+        if caller.uid is not None and (caller.uid in (0, os.geteuid()) or (uid is not None and caller.uid == uid)):
             return
         if isinstance(lease, Lease) and lease.token_matches(token):
             return

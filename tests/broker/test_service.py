@@ -425,6 +425,21 @@ async def test_only_its_user_root_or_its_token_may_renew_or_release(make_node: C
     assert released.state == "released"
 
 
+async def test_the_brokers_own_user_may_renew_and_release_any_lease_of_its_broker_as_root_may(
+    make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user running a broker of their own was refused releasing a lease another user took on it, though the same
+    release of a lease on another node of the cluster, forwarded there, is an admin's."""
+    node = await make_node()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the broker runs as uid 1000
+    lease, _ = await node.ask(Caller("unix", uid=1001, pid=os.getpid()), gpu_memory="4GiB")
+    with pytest.raises(Forbidden):
+        await node.broker.renew(lease["id"], Caller("unix", uid=1002, pid=1), None, None)
+    await node.broker.renew(lease["id"], Caller("unix", uid=1000, pid=2), None, None)
+    released = await node.broker.release(lease["id"], Caller("unix", uid=1000, pid=2), None)
+    assert (released.state, released.reason) == ("released", "released by uid 1000")
+
+
 async def test_a_refusal_to_act_on_a_lease_names_its_unix_user_and_what_would_do(make_node: Callable[..., Any]) -> None:
     """Another user's release was refused with "lease L belongs to gpubroker": the holder name, the caller's word
     (the CLI's own by default), and no user; nor did it say that a token was given and was not the lease's."""
