@@ -1469,6 +1469,15 @@ class Broker:
         # past the newest, `next` is the newest: a client resuming from it misses nothing that comes later
         return events, events[-1]["seq"] if events else min(after, self._event_seq)
 
+    def dropped(self, after: int, found: list[dict[str, Any]]) -> int:
+        """How many events after `after`, up to the first of `found`, are no longer kept (events_kept): those older than
+        the oldest kept. A hole above it is no such thing: a write that failed (a full disk) took its events' seqs
+        with it, and those events never were."""
+        oldest = self.store.oldest_event()
+        if not found or oldest is None:
+            return 0
+        return max(0, min(int(found[0]["seq"]), oldest) - after - 1)
+
 
 def _granted_index(on: GpuLeases, uuid: str) -> int:
     """The index a card had when a lease on it was granted: what names it where the driver has not listed it since."""

@@ -168,6 +168,12 @@ class Store:
                     break
         return out
 
+    def oldest_event(self) -> int | None:
+        """The seq of the oldest event kept; None when none is."""
+        with self._env.begin() as txn:
+            cursor = txn.cursor(self._db["events"])
+            return key_seq(bytes(cursor.key())) if cursor.first() else None
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gpubroker-store", daemon=True)
         self._thread.start()

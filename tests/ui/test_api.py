@@ -534,6 +534,28 @@ async def test_healthz_and_metrics_say_when_the_store_cannot_be_written(tmp_path
         await broker.close()
 
 
+async def test_an_event_whose_write_failed_is_not_said_to_be_dropped_to_those_reading_after_it(tmp_path: Path) -> None:
+    """A write that fails (a full disk) takes its events' seqs with it: reading past that hole, `/v1/events` said the
+    events there were "no longer kept (events_kept)", and `gpubroker events --follow` printed so at every failed write."""
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker)))
+    await client.start_server()
+    try:
+        before = broker.last_event_seq
+        broker.record_event("test.lost", "its write fails", details={"value": object()})  # a value the store cannot write
+        broker.record_event("test.kept", "written")
+        await broker.store.commit([])
+        answer = await (await client.get("/v1/events", params={"after": str(before)})).json()
+        assert [(e["seq"], e["type"]) for e in answer["events"]] == [(before + 2, "test.kept")]
+        assert answer["dropped"] == 0
+    finally:
+        await client.close()
+        await broker.close()
+
+
 async def test_grant_latency_tells_grants_apart_from_under_a_millisecond_to_waits_of_many_minutes(tmp_path: Path) -> None:
     clock = FakeClock(NOW)
     config = Config(state_dir=tmp_path / "state", name="tower")

@@ -526,6 +526,21 @@ async def test_a_stream_resumed_past_what_the_broker_keeps_says_how_many_events_
         await broker.close()
 
 
+async def test_a_stream_resumed_before_an_event_whose_write_failed_says_nothing_was_dropped(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    """A write that fails (a full disk) takes its events' seqs with it: the stream said `dropped` for that hole, as if
+    events kept had been lost."""
+    client, broker, _ = served
+    before = broker.last_event_seq
+    broker.record_event("test.lost", "its write fails", details={"value": object()})  # a value the store cannot write
+    broker.record_event("test.kept", "written")
+    await broker.store.commit([])
+    async with client.get("/v1/stream", headers={"Last-Event-ID": str(before)}) as answer:
+        messages = await read_messages(answer, 2)
+    assert (messages[1]["id"], messages[1]["event"]) == (str(before + 2), "test.kept")
+
+
 async def test_the_events_page_says_when_it_shows_only_the_newest_and_where_the_rest_are(
     served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
 ) -> None:
