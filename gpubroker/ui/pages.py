@@ -411,6 +411,7 @@ def lease_rows(
         name = node.get("name") or (node.get("document") or {}).get("name") or node["id"]
         if node.get("self"):
             queues[name] = dict(node.get("queue", {}))
+            missing = {gpu["uuid"] for gpu in broker.missing_json()}
             own = broker.list_leases(state, LEASES_SHOWN + 1)  # one more than shown: whether there are more
             if len(own) > LEASES_SHOWN:
                 del own[LEASES_SHOWN:]
@@ -430,7 +431,7 @@ def lease_rows(
                         "id": lease["id"],
                         "holder": lease["holder"].get("name"),
                         "node": name,
-                        "gpus": "" if queued else ", ".join(str(g["index"]) for g in lease.get("gpus", [])),
+                        "gpus": "" if queued else _indexes(lease.get("gpus", []), missing if lease["state"] == "granted" else set()),
                         "bytes": lease["request"]["gpu_memory"] if queued else sum(g["bytes"] for g in lease.get("gpus", [])),
                         "priority": lease["priority"],
                         "preemption": lease["preemption"],
@@ -445,6 +446,7 @@ def lease_rows(
         queues[name] = dict(document.get("queue", {}))
         mesh = request.app[MESH].mesh  # another node's times are read on this node's clock: the two may disagree
         listed = listed_leases(document, node["id"], mesh.shift_of(node["id"]) if mesh is not None else 0.0)
+        missing = {gpu["uuid"] for gpu in listed_missing(document)}
         more = document.get("leases_not_listed")
         if isinstance(more, int) and more > 0:  # its document had no room for them (LEASES_ROOM): only its node knows them
             cut.append(
@@ -462,7 +464,7 @@ def lease_rows(
                     "id": listed_one["id"],
                     "holder": listed_one["holder"]["name"],
                     "node": name,
-                    "gpus": ", ".join(str(g["index"]) for g in listed_one["gpus"]),
+                    "gpus": _indexes(listed_one["gpus"], missing),
                     "bytes": sum(g["bytes"] for g in listed_one["gpus"]),
                     "priority": listed_one["priority"],
                     "preemption": listed_one["preemption"],
@@ -474,6 +476,11 @@ def lease_rows(
                 }
             )
     return rows, queues, cut
+
+
+def _indexes(gpus: list[dict[str, Any]], missing: set[str]) -> str:
+    """A lease's GPUs by index, a card its driver no longer lists marked so (its memory is in no GPU's figures)."""
+    return ", ".join(f"{g['index']}{' (no longer listed)' if g.get('uuid') in missing else ''}" for g in gpus)
 
 
 def _labels(labels: dict[str, str]) -> str:

@@ -385,6 +385,7 @@ async def test_a_leased_gpu_the_driver_no_longer_lists_is_shown_missing_on_the_n
         assert held_there in text
     cluster = await (await client.get("/fragment/cluster")).text()
     assert "1 node · 1 GPU (1 missing, 4.0 GiB leased on it, not counted) · 24.0 GiB total" in cluster
+    assert "<td>1 (no longer listed)</td>" in await (await client.get("/fragment/leases")).text()  # its lease, where it is listed
 
     answer = await client.delete(f"/v1/leases/{held['id']}", headers={"X-Lease-Token": held["token"]})
     assert answer.status == 200
@@ -399,10 +400,14 @@ async def test_a_peers_gpu_its_leases_hold_and_its_driver_no_longer_lists_is_sho
     peer = broker.node_json()
     gone = {"index": 1, "uuid": "GPU-far-1", "name": "RTX <4090>", "since": "2026-11-30T10:00:00.000Z", "bytes": 8 * GIB}
     peer["missing_gpus"] = [{**gone, "leases": [f"l-{i:012x}" for i in range(20)]}]
-    text = await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": summarize(peer, [])})
+    on_it = {"id": "l-000000000000", "state": "granted", "holder": {"name": "train"}, "priority": "batch", "epoch": 1,
+             "gpus": [{"index": 1, "uuid": "GPU-far-1", "bytes": 8 * GIB, "epoch": 1}], "expires_at": "2026-11-30T11:00:00.000Z"}  # fmt: skip
+    document = summarize(peer, [on_it])
+    text = await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": document})
     assert "GPU 1 · RTX &lt;4090&gt; (GPU-far-1) is no longer listed by the driver, since <time" in text
     assert "l-00000000000f and 4 more hold 8.0 GiB on it" in text
     assert "2 nodes · 2 GPUs (1 missing, 8.0 GiB leased on it, not counted) · 48.0 GiB total" in text
+    assert "<td>1 (no longer listed)</td>" in await (await client.get("/fragment/leases")).text()  # its lease on the Leases page
 
 
 async def test_a_gpu_whose_reading_is_stale_is_marked_on_the_cluster_page_here_and_on_a_peer(
