@@ -313,7 +313,9 @@ class Broker:
             self._spawn(self._stop_work(lease))
         writes.append(
             self._event(
-                "broker.started", f"broker {self.config.name} started with {len(self.leases)} live leases", details={"version": __version__}
+                "broker.started",
+                f"broker {self.config.name} started with {len(self.leases)} live lease{'' if len(self.leases) == 1 else 's'}",
+                details={"version": __version__},
             )
         )
         try:

@@ -1589,6 +1589,16 @@ async def test_events_an_older_broker_wrote_are_served_as_they_were_written(make
     assert (found[-1]["type"], found[-1]["time"]) == ("broker.started", rfc3339(node.clock.now()))
 
 
+async def test_the_started_event_counts_the_live_leases_in_words_that_agree(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(gpu_memory="1GiB")
+    await node.restart()
+    assert (await node.events())[-1]["message"] == f"broker {node.config.name} started with 1 live lease"  # not "1 live leases"
+    await node.ask(gpu_memory="1GiB")
+    await node.restart()
+    assert (await node.events())[-1]["message"] == f"broker {node.config.name} started with 2 live leases"
+
+
 async def test_the_budgets_a_grant_or_release_changes_are_computed_again_once_it_is_answered(make_node: Callable[..., Any]) -> None:
     node = await make_node(sizes=[24 * GIB, 24 * GIB])
     lease, token = await node.ask(gpu_memory="10GiB")
