@@ -505,8 +505,10 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
                 timeout = max(0.1, min(patience, runs_out - time.monotonic()))
                 renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token, timeout=timeout)["lease"]
             except ClientError as error:
-                _tell(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}")
-                if error.status in (404, 409):  # the lease has ended: so does CMD, even if the broker could not see to it
+                ended = error.status in (404, 409)  # the lease has ended: so does CMD, even if the broker could not see to it
+                stopped = f"; it has ended, so CMD is stopped (SIGTERM, SIGKILL after {STOP_GRACE:g}s)" if ended else ""
+                _tell(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}{stopped}")
+                if ended:
                     _stop_group(child.pid, done)
                     return
                 failed = True

@@ -13,6 +13,7 @@ import os
 import re
 import resource
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -272,6 +273,29 @@ def test_renewals_that_resume_after_the_broker_restarts_say_so(
     assert lease is not None
     assert re.search(rf"^gpubroker: lease {lease['id']} renewed again: it expires \S+Z$", lease_log(tmp_path), re.MULTILINE)
     assert holder.poll() is None  # CMD goes on
+
+
+def test_a_broker_that_no_longer_knows_the_lease_has_cmd_stopped_and_says_so(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """Its state directory wiped while it was down: the renewal's NOT_FOUND was printed, and CMD ended without a word
+    that it was being stopped, nor why."""
+    broker = start_broker(gpubroker, broker_process)
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "6s", "--", "sleep", "600"], broker.env)
+    wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    lease = granted_to(broker.client(), holder.pid)
+    assert lease is not None
+    broker.stop()
+    shutil.rmtree(broker.state)
+    broker.start()
+
+    assert holder.wait(30) == 128 + signal.SIGTERM  # CMD's end, passed on
+    said = lease_log(tmp_path)
+    assert re.search(
+        rf"^gpubroker: lease {lease['id']} could not be renewed: NOT_FOUND: .*; it has ended, so CMD is stopped \(SIGTERM, SIGKILL after \d+s\)$",
+        said,
+        re.MULTILINE,
+    ), said
 
 
 def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_end(
