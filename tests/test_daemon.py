@@ -251,6 +251,7 @@ def test_a_join_token_that_cannot_be_read_is_refused_before_the_state_directory_
     assert not state.exists()
 
 
+@pytest.mark.slow
 def test_a_member_started_again_with_the_join_it_was_first_started_with_runs_as_the_member_it_is(
     broker_process: type[BrokerProcess], tmp_path: Path
 ) -> None:

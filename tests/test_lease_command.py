@@ -329,7 +329,7 @@ def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_e
     assert broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"holder pid {holder.pid} exited"
 
 
-@pytest.mark.parametrize("read", [True, False], ids=["said", "unread"])
+@pytest.mark.parametrize("read", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["said", "unread"])
 def test_cmd_is_stopped_once_its_lease_has_certainly_run_out_with_the_broker_answering_no_renewal(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path, read: bool
 ) -> None:
@@ -665,6 +665,7 @@ def said_within(fd: int, timeout: float = 30.0) -> str:
     return line.decode()
 
 
+@pytest.mark.slow
 def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_and_fg_or_bg_continues_them(
     gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
 ) -> None:

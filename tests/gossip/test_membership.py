@@ -319,6 +319,7 @@ def test_a_suspected_node_that_is_alive_refutes_and_is_never_declared_dead() -> 
     assert net.all_see(MemberState.ALIVE)
 
 
+@pytest.mark.slow  # an hour of gossip, simulated
 def test_ten_percent_packet_loss_for_an_hour_declares_no_one_dead() -> None:
     net = started(10, seed=10)
     net.loss = 0.10
@@ -327,6 +328,7 @@ def test_ten_percent_packet_loss_for_an_hour_declares_no_one_dead() -> None:
     assert net.all_see(MemberState.ALIVE)
 
 
+@pytest.mark.slow  # an hour of gossip, simulated
 def test_ten_percent_loss_without_the_tcp_fallback_suspects_often_yet_refutations_keep_everyone_alive() -> None:
     net = started(10, seed=11, config=MembershipConfig(tcp_fallback_ping=False))
     net.loss = 0.10
