@@ -85,6 +85,12 @@ class Caller:
         return None if uid is None else _user_name(uid)
 
 
+def socket_admin(uid: int | None) -> bool:
+    """Whether a Unix-socket caller of this uid is the broker's admin there: root, or the user the broker runs as (who may
+    stop it in any case)."""
+    return uid is not None and uid in (0, os.geteuid())
+
+
 def _user_name(uid: int) -> str:
     """The Unix user's name, or the uid itself for one with no passwd entry."""
     try:
@@ -1120,9 +1126,9 @@ class Broker:
         if caller.admin is not None:
             return
         uid = lease.holder.uid
-        # The broker's own user is its admin on the socket, as root is (it may stop the broker, and its releases
-        # forwarded to other nodes are an admin's there): a broker a user runs is not closed to that user.
-        if caller.uid is not None and (caller.uid in (0, os.geteuid()) or (uid is not None and caller.uid == uid)):
+        # The broker's own user is its admin on the socket, as root is (its releases forwarded to other nodes are an
+        # admin's there): a broker a user runs is not closed to that user.
+        if socket_admin(caller.uid) or (caller.uid is not None and caller.uid == uid):
             return
         if isinstance(lease, Lease) and lease.token_matches(token):
             return
@@ -1132,8 +1138,8 @@ class Broker:
         given = "; the token given is not its" if token is not None else ""
         raise Forbidden(
             f"lease {lease.id} ({lease.holder.name or 'an unnamed holder'}) belongs to {owner}: only "
-            f"{'root' if uid is None else 'that user or root'} on the Unix socket, or its token (X-Lease-Token; "
-            f"`gpubroker release ID --token T`), may act on it{given}",
+            f"{'' if uid is None else 'that user, '}root or the broker's own user on the Unix socket, an admin (the API "
+            f"token, the web UI signed in), or its token (X-Lease-Token; `gpubroker release ID --token T`), may act on it{given}",
             {"lease": lease.id, "uid": uid},
         )
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
 import struct
@@ -21,7 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from gpubroker.broker import holders
 from gpubroker.broker.lease import ENDED, LIVE, Lease
 from gpubroker.broker.request import parse_request
-from gpubroker.broker.service import API_TOKEN, OWN_USER_ON_SOCKET, ROOT_ON_SOCKET, WEB_UI, Broker, Caller
+from gpubroker.broker.service import API_TOKEN, OWN_USER_ON_SOCKET, ROOT_ON_SOCKET, WEB_UI, Broker, Caller, socket_admin
 from gpubroker.config import Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, Unauthorized
 from gpubroker.ui.auth import CHANGES, CSRF_FIELD, CSRF_HEADER, OPEN_PATHS, SESSION_COOKIE, Guard, Session, Sessions, is_loopback
@@ -570,7 +569,7 @@ def _forwarded_admin(caller: Caller) -> str | None:
 
 def _socket_admin(caller: Caller) -> str | None:
     """Root or the broker's own user on the Unix socket, who may change the cluster; None for anyone else."""
-    if caller.uid is None or caller.uid not in (0, os.geteuid()):
+    if not socket_admin(caller.uid):
         return None
     return ROOT_ON_SOCKET if caller.uid == 0 else OWN_USER_ON_SOCKET
 

@@ -409,8 +409,9 @@ async def test_events_of_a_lease_without_a_holder_name_say_it_has_none(make_node
     assert all("None" not in m and "an unnamed holder" in m for m in messages), messages
 
 
-async def test_only_its_user_root_or_its_token_may_renew_or_release(make_node: Callable[..., Any]) -> None:
+async def test_only_its_user_root_or_its_token_may_renew_or_release(make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
     node = await make_node()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # the broker runs as root: no stranger below is its own user
     owner = Caller("unix", uid=1000, pid=os.getpid())
     lease, token = await node.ask(owner, gpu_memory="4GiB")
     for stranger in (Caller("unix", uid=1001, pid=1), TCP):
@@ -440,21 +441,26 @@ async def test_the_brokers_own_user_may_renew_and_release_any_lease_of_its_broke
     assert (released.state, released.reason) == ("released", "released by uid 1000")
 
 
-async def test_a_refusal_to_act_on_a_lease_names_its_unix_user_and_what_would_do(make_node: Callable[..., Any]) -> None:
+async def test_a_refusal_to_act_on_a_lease_names_its_unix_user_and_what_would_do(
+    make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Another user's release was refused with "lease L belongs to gpubroker": the holder name, the caller's word
     (the CLI's own by default), and no user; nor did it say that a token was given and was not the lease's."""
     node = await make_node()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # the broker runs as root: the stranger below is not its own user
     nobody = pwd.getpwnam("nobody").pw_uid
     lease, _ = await node.ask(Caller("unix", uid=nobody, pid=os.getpid()), gpu_memory="4GiB", holder={"name": "gpubroker"})
     with pytest.raises(Forbidden) as refused:
         await node.broker.release(lease["id"], Caller("unix", uid=1001, pid=1), None)
     assert str(refused.value) == (
-        f"lease {lease['id']} (gpubroker) belongs to user nobody (uid {nobody}): only that user or root on the Unix socket, "
-        "or its token (X-Lease-Token; `gpubroker release ID --token T`), may act on it"
+        f"lease {lease['id']} (gpubroker) belongs to user nobody (uid {nobody}): only that user, root or the broker's own user "
+        "on the Unix socket, an admin (the API token, the web UI signed in), or its token (X-Lease-Token; "
+        "`gpubroker release ID --token T`), may act on it"
     )
     over_tcp, _ = await node.ask(gpu_memory="4GiB")
     with pytest.raises(
-        Forbidden, match=r"belongs to no Unix user \(it was asked for over TCP\): only root on .*; the token given is not its$"
+        Forbidden,
+        match=r"belongs to no Unix user \(it was asked for over TCP\): only root or the broker's own user on .*; the token given is not its$",
     ):
         await node.broker.renew(over_tcp["id"], Caller("unix", uid=1001, pid=1), "not-the-token", None)
 
