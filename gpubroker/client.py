@@ -49,6 +49,7 @@ class Endpoint:
 
     url: str
     searched: tuple[str, ...] = ()  # the sockets looked at first, where no GPUBROKER_URL named one
+    denied: tuple[str, ...] = ()  # of those, the ones this user may not reach: a broker may well answer there
 
     @property
     def is_unix(self) -> bool:
@@ -85,10 +86,14 @@ def find_broker(env: dict[str, str] | None = None) -> Endpoint:
             raise ClientError(0, "INVALID_REQUEST", f"GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT{hint}")
         return Endpoint(url)
     sockets = tuple(dict.fromkeys((default_socket(), SYSTEM_SOCKET)))  # one, for root without XDG_RUNTIME_DIR
+    denied = []
     for path in sockets:
-        if _listening(path):
+        listening = _listening(path)
+        if listening:
             return Endpoint(f"unix:{path}")
-    return Endpoint(DEFAULT_URL, searched=tuple(str(path) for path in sockets))
+        if listening is None:
+            denied.append(str(path))
+    return Endpoint(DEFAULT_URL, searched=tuple(str(path) for path in sockets), denied=tuple(denied))
 
 
 def _is_address(url: str) -> bool:
@@ -104,14 +109,25 @@ def _is_address(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
-def _listening(path: Path) -> bool:
+def _listening(path: Path) -> bool | None:
+    """Whether a broker answers on the socket; None where this user may not reach it (a directory closed to others)."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(1.0)
             sock.connect(str(path))
         return True
+    except PermissionError:
+        return None
     except OSError:
         return False
+
+
+def _kept_from(path: str, why: str) -> str:
+    return (
+        f"this user (uid {os.getuid()}) may not reach the socket {path} ({why}): it, or a directory above it, is closed to "
+        "other users; the broker's user may give --socket a path every user can reach, or name the broker's TCP address in "
+        "GPUBROKER_URL (http://HOST:PORT, its --listen)"
+    )
 
 
 class Client:
@@ -192,12 +208,12 @@ class Client:
         except OSError as error:
             if isinstance(error, PermissionError) and self.endpoint.is_unix:
                 # A broker may well answer there: this user is kept from its socket, which starting one would not change.
+                raise ClientError(0, "UNREACHABLE", _kept_from(self.endpoint.url.removeprefix("unix:"), str(error.strerror))) from None
+            if self.endpoint.denied:  # nothing answers on TCP either: the socket this user is kept from is the likely broker
                 raise ClientError(
                     0,
                     "UNREACHABLE",
-                    f"this user (uid {os.getuid()}) may not reach the socket {self.endpoint.url.removeprefix('unix:')} "
-                    f"({error.strerror}): it, or a directory above it, is closed to other users; the broker's user may give "
-                    "--socket a path every user can reach, or name the broker's TCP address in GPUBROKER_URL (http://HOST:PORT, its --listen)",
+                    f"no broker answers at {self.endpoint.url} ({error}); {_kept_from(self.endpoint.denied[0], 'Permission denied')}",
                 ) from None
             raise ClientError(0, "UNREACHABLE", f"no broker answers at {self.endpoint.url} ({error}){self._hint()}") from None
         finally:
