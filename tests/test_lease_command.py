@@ -281,7 +281,7 @@ def test_a_broker_that_no_longer_knows_the_lease_has_cmd_stopped_and_says_so(
     """Its state directory wiped while it was down: the renewal's NOT_FOUND was printed, and CMD ended without a word
     that it was being stopped, nor why."""
     broker = start_broker(gpubroker, broker_process)
-    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "6s", "--", "sleep", "600"], broker.env)
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "12s", "--", "sleep", "600"], broker.env)
     wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
     lease = granted_to(broker.client(), holder.pid)
     assert lease is not None

@@ -218,6 +218,7 @@ class Mesh:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _removed: bool = False
     _learning: set[str] = field(default_factory=set)
+    _fetching: set[str] = field(default_factory=set)  # nodes whose document is being fetched on sight
     _started: float = float("-inf")  # when run() began, on self.elapsed
 
     @property
@@ -380,10 +381,11 @@ class Mesh:
             if node not in self.cluster.members and node not in self._learning:
                 self._learning.add(node)
                 self._spawn(self._learn_member(node))
-            elif self.view.knows(node) is None:
+            elif self.view.knows(node) is None and node not in self._fetching:
                 # Its document is fetched on sight: it announces the next only on a change or after 10 s unchanged, and
                 # until then this node (just started, say) would show the member with no figures and no leases.
-                self._spawn(self._fetch_document(DocumentNotice(node, 0, 0)))
+                self._fetching.add(node)
+                self._spawn(self._fetch_on_sight(node))
 
     async def _learn_member(self, node: str) -> None:
         """A node admitted by another member is heard of by gossip before its certificate arrives; a push-pull with a
@@ -515,6 +517,13 @@ class Mesh:
         now = self.elapsed()
         self.membership.tcp_ping_result(now, request.node, ok)
         self._drain(now)
+
+    async def _fetch_on_sight(self, node: str) -> None:
+        """A member's document, whatever its version, by one fetch at a time however often it is heard alive meanwhile."""
+        try:
+            await self._fetch_document(DocumentNotice(node, 0, 0))
+        finally:
+            self._fetching.discard(node)
 
     async def _fetch_document(self, notice: DocumentNotice) -> None:
         """Fetch the document a notice announces; a failed fetch is tried again shortly (the node may not publish

@@ -47,7 +47,8 @@ class Events:
 
 
 async def start(tmp_path: Path, identity: Identity, name: str, cluster: ClusterState, clock: FakeClock) -> Mesh:
-    """A member's mesh as `Mesh.run` sets it up, without its loops: a test drives its push-pulls and key changes."""
+    """A member's mesh as `Mesh.run` sets it up, without its loops, its first document published: a test drives its
+    push-pulls and key changes."""
     mesh = Mesh(
         MeshSettings(("127.0.0.1", 0), "127.0.0.1", mdns=False),
         Events(Config(state_dir=tmp_path / name, name=name)),
@@ -64,6 +65,10 @@ async def start(tmp_path: Path, identity: Identity, name: str, cluster: ClusterS
         random.Random(0),
         size_of=lambda m: len(wire.encode(m)) - wire.HEADER_SIZE,
     )
+    body = summarize({"node": {"id": identity.node_id, "name": name}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}}, [])
+    made = Publisher(identity.node_id, 1, identity.public_key_bytes).next(body, clock.elapsed(), clock.now())
+    assert made is not None
+    mesh._own_document = sign_document(made, identity.sign)
     return mesh
 
 
@@ -154,14 +159,21 @@ async def test_a_member_started_again_under_another_name_is_listed_by_it_beside_
 async def test_a_member_heard_alive_whose_document_is_not_held_has_it_fetched_at_once(pair: tuple[Mesh, Mesh]) -> None:
     """A node started again showed its members with no figures and no leases until each announced its next document:
     on a change, or 10 s after the last one unchanged."""
-    a, b = pair
-    body = summarize({"node": {"id": a.node_id, "name": "node-a"}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}}, [])
-    made = Publisher(a.node_id, 1, a.identity.public_key_bytes).next(body, a.elapsed(), a.clock())
-    assert made is not None
-    a._own_document = sign_document(made, a.identity.sign)  # published before node-b started: no notice of it will come
+    a, b = pair  # node-a published its document before node-b started: no notice of it will come
     await b._push_pull(a.membership.addr)  # node-b (re)starts and hears of node-a, alive
     await asyncio.gather(*b._tasks)
     assert b.view.knows(a.node_id) == (1, 1)
+
+
+async def test_a_member_heard_alive_again_while_its_document_is_being_fetched_is_not_fetched_twice(pair: tuple[Mesh, Mesh]) -> None:
+    a, b = pair
+    b._own_document = b""  # it has made none yet: the fetch is tried again for a while
+    await a._push_pull(b.membership.addr)  # node-a hears node-b alive, and fetches its document
+    fetching = set(a._tasks)
+    assert len(fetching) == 1
+    for _ in range(3):
+        a._member_event("alive", b.node_id)  # heard alive again meanwhile (a suspicion refuted, say)
+    assert a._tasks == fetching
 
 
 async def test_removing_or_approving_a_node_by_its_name_says_to_give_its_id(pair: tuple[Mesh, Mesh]) -> None:
@@ -212,10 +224,7 @@ async def test_a_removal_reaches_the_members_alive_at_once_not_at_their_next_pus
         await a._push_pull(b.membership.addr)  # node-a hears both alive
         await a._push_pull(c.membership.addr)
         await a.remove(b.node_id)
-        for _ in range(200):  # node-a's push-pulls run beside it (so do its fetches of documents none of them has made)
-            if c.cluster.is_removed(b.node_id):
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.gather(*a._tasks)  # its push-pulls, run beside the removal
         assert c.cluster.is_removed(b.node_id)
     finally:
         await stop(c)
