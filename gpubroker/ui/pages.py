@@ -242,10 +242,13 @@ def bar(gpu: dict[str, Any]) -> str:
 
 
 def names_text(named: list[tuple[str, int]]) -> str:
-    """Names with their GiB ("comfyui 8.0, whisper 2.0"), the first NAMES_SHOWN only: 200 leases must not fill a card."""
-    shown = ", ".join(f"{name} {size / GIB:.1f}" for name, size in named[:NAMES_SHOWN])
+    """Names with their GiB ("comfyui 8.0, whisper 2.0"), the NAMES_SHOWN largest only, in their order: 200 leases must
+    not fill a card, nor the one that holds most of a GPU hide among the rest."""
+    largest = set(sorted(range(len(named)), key=lambda i: -named[i][1])[:NAMES_SHOWN])
+    shown = ", ".join(f"{name} {size / GIB:.1f}" for i, (name, size) in enumerate(named) if i in largest)
     if len(named) > NAMES_SHOWN:
-        shown += f" and {len(named) - NAMES_SHOWN} more {sum(size for _, size in named[NAMES_SHOWN:]) / GIB:.1f}"
+        rest = [size for i, (_, size) in enumerate(named) if i not in largest]
+        shown += f" and {len(rest)} more {sum(rest) / GIB:.1f}"
     return shown
 
 

@@ -30,6 +30,7 @@ from gpubroker.config import Config
 from gpubroker.gossip.documents import summarize
 from gpubroker.ui import pages, stream
 from gpubroker.ui.api import make_app
+from gpubroker.ui.pages import NAMES_SHOWN, names_text
 
 SIMULATION = """
 [[gpu]]
@@ -140,6 +141,14 @@ def test_two_hundred_small_leases_are_drawn_as_one_part_of_the_bar_and_counted_n
     assert "12.5 leased (job-000 0.1, job-001 0.1, job-002 0.1, job-003 0.1, job-004 0.1, job-005 0.1, job-006 0.1, " in page(broker, "/")
     assert "job-007 0.1 and 192 more 12.0)" in page(broker, "/")
     assert "job-199" not in page(broker, "/")
+
+
+def test_a_gpus_line_of_figures_names_its_largest_holders_not_its_first() -> None:
+    """Past NAMES_SHOWN the rest are counted: the lease holding most of the GPU was counted among them, unnamed, when it
+    came late in the list."""
+    named = [(f"small-{i}", GIB // 10) for i in range(NAMES_SHOWN)] + [("training", 20 * GIB)]
+    assert names_text(named) == ", ".join(f"small-{i} 0.1" for i in range(NAMES_SHOWN - 1)) + ", training 20.0 and 1 more 0.1"
+    assert names_text(named[:3]) == "small-0 0.1, small-1 0.1, small-2 0.1"
 
 
 def test_a_holder_name_with_markup_is_shown_escaped_on_every_page(broker: BrokerProcess) -> None:
