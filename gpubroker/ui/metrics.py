@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpubroker.broker.budget import FIGURES
+from gpubroker.broker.budget import FIGURES, over_declared
 from gpubroker.broker.service import LATENCY_BUCKETS, Broker
 from gpubroker.config import CLASSES
 
@@ -43,7 +43,8 @@ class _BrokerCollector(Collector):
             if budget.unattributed is not None:
                 unattributed.add_metric(labels, budget.unattributed)
             pressure.add_metric(labels, 1.0 if budget.pressure else 0.0)
-            over.add_metric([budget.reading.uuid], sum(1 for lease in budget.leases if lease.id in broker.over_declared_ids))
+            # From this reading, GPU by GPU: the leases ever reported were counted on each of their GPUs, and until released.
+            over.add_metric([budget.reading.uuid], len(over_declared(budget)))
         yield from figures.values()
         yield observed_at
         yield stale

@@ -593,6 +593,36 @@ async def test_metrics_say_when_each_gpus_figures_were_read_and_whether_they_are
         await broker.close()
 
 
+async def test_the_over_declared_metric_counts_the_leases_using_too_much_on_each_gpu_now(tmp_path: Path) -> None:
+    """A lease over its declaration on one GPU is not over it on its other GPU, nor once its use is back within it."""
+    from gpubroker.broker.probes import GpuProcess
+    from gpubroker.broker.request import parse_request
+    from gpubroker.broker.service import Caller
+
+    clock = FakeClock(NOW)
+    probe = FakeGpuProbe(clock, [24 * GIB, 24 * GIB])
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), probe, clock)
+    await broker.start()
+    metrics = Metrics(broker)
+
+    def over() -> dict[str, float]:
+        families = text_string_to_metric_families(metrics.render().decode())
+        return {s.labels["uuid"]: s.value for f in families for s in f.samples if s.name == "gpubroker_leases_over_declared"}
+
+    try:
+        body = {"gpu_memory": "4GiB", "gpus": 2, "holder": {"name": "greedy", "pid": 4243}}
+        await broker.request(parse_request(body), Caller("tcp"))
+        probe.processes = {0: [GpuProcess(4243, "python", 6 * GIB)], 1: [GpuProcess(4243, "python", 2 * GIB)]}
+        broker.apply_sample(probe.sample(), None)
+        assert over() == {"GPU-fake-0": 1.0, "GPU-fake-1": 0.0}
+        probe.processes = {0: [GpuProcess(4243, "python", 3 * GIB)], 1: [GpuProcess(4243, "python", 2 * GIB)]}
+        broker.apply_sample(probe.sample(), None)
+        assert over() == {"GPU-fake-0": 0.0, "GPU-fake-1": 0.0}
+    finally:
+        await broker.close()
+
+
 async def test_a_unix_callers_start_time_is_read_once_for_its_connection_on_its_first_lease_request(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
