@@ -246,7 +246,7 @@ class Broker:
         # as the driver last listed them (`_listed_as`), until listed again or no lease holds them.
         self._missing: dict[str, float] = {}
         self._listed_as: dict[str, tuple[int, str]] = {}  # each card's index and name as the driver last listed it
-        self.over_declared_ids: set[str] = set()
+        self.over_declared_ids: set[tuple[str, str]] = set()  # (lease, GPU UUID): each GPU of a lease is reported once
         self._reclaims: list[_Reclaim] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch: holders.HolderWatch | None = None
@@ -535,8 +535,8 @@ class Broker:
                     )
                 )
             for lease, used in over_declared(budget):
-                if lease.id not in self.over_declared_ids:
-                    self.over_declared_ids.add(lease.id)
+                if (lease.id, gpu) not in self.over_declared_ids:
+                    self.over_declared_ids.add((lease.id, gpu))
                     declared = lease.bytes_on(gpu)
                     writes.append(
                         self._event(
@@ -1326,7 +1326,7 @@ class Broker:
                     started = {p.pid: p.started[0] for p in mine if p.started}
                     self._reclaims.append(_Reclaim(lease.id, gpu.uuid, pids, started, self.clock.elapsed()))
         self._unhold(lease)
-        self.over_declared_ids.discard(lease.id)
+        self.over_declared_ids -= {(lease.id, gpu.uuid) for gpu in lease.gpus}
         if self._watch is not None:
             self._watch.unwatch(lease.id)
         if lease.pgids:

@@ -1124,6 +1124,19 @@ async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_
     assert over[0]["details"] == {"declared": 10 * GIB, "observed": 12 * GIB}
 
 
+async def test_a_lease_using_more_than_declared_on_its_second_gpu_too_is_reported_there_too(make_node: Callable[..., Any]) -> None:
+    """Over its declaration on each of two GPUs, one after the other: each GPU is reported, not only the first."""
+    node = await make_node([24 * GIB, 24 * GIB])
+    await node.ask(gpu_memory="4GiB", gpus=2, holder={"name": "greedy", "pid": 4243})
+    node.probe.processes = {0: [GpuProcess(4243, "python", 6 * GIB)], 1: [GpuProcess(4243, "python", 2 * GIB)]}
+    await node.sample()
+    node.probe.processes[1] = [GpuProcess(4243, "python", 7 * GIB)]
+    await node.sample()
+    await settle()
+    over = await node.events("lease.over_declared")
+    assert [(e["gpu"], e["details"]["observed"]) for e in over] == [("GPU-fake-0", 6 * GIB), ("GPU-fake-1", 7 * GIB)]
+
+
 async def test_a_lease_taken_inside_another_leases_work_owns_its_own_processes_memory(make_node: Callable[..., Any]) -> None:
     """Nested leases (`gpubroker lease -- CMD` inside another's CMD): each process is its nearest lease's, never the
     outer lease's too. The outer lease used to take every process below its holder: 8 GiB used within the 8 declared
