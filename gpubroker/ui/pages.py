@@ -340,6 +340,19 @@ def legend() -> str:
     return '<p class="legend">' + "".join(f'<span><i class="seg-{k}"></i>{k}</span>' for k in kinds) + "</p>"
 
 
+def pressure_warning(gpu: dict[str, Any]) -> str:
+    """A GPU of this node whose external usage has grown into what its leases declared or its reserve: by how much."""
+    if not gpu.get("pressure"):
+        return ""
+    f = gpu["figures"]
+    declared = sum(lease.get("bytes") or 0 for lease in gpu.get("leases", []))
+    grown = min(f["external"], f["external"] + f["resident"] + declared + f["reserve"] - f["total"])
+    return (
+        f'<p class="warning">external pressure: external usage has grown {gib(grown)} into leased or reserved memory; '
+        "nothing is revoked, and requests it leaves no room for are refused (EXTERNAL_GPU_PRESSURE)</p>"
+    )
+
+
 def unreadable_warnings(node: dict[str, Any]) -> str:
     """A warning for each GPU the driver lists but cannot read: it is not offered, its leases stay."""
     return "".join(
@@ -375,7 +388,7 @@ def node_region(request: web.Request) -> str:
         rows.append(
             [
                 e(gpu["index"]),
-                e(gpu["name"]),
+                e(gpu["name"]) + (STALE if gpu.get("stale") else "") + pressure_warning(gpu),
                 f"<code>{e(gpu['uuid'])}</code>",
                 *figures,
                 f'<ul class="plain">{processes}</ul>' if processes else "—",

@@ -430,6 +430,22 @@ async def test_a_gpu_whose_reading_is_stale_is_marked_on_the_cluster_page_here_a
     assert (await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": stale})).count("stale:") == 2
 
 
+async def test_the_node_page_marks_a_gpu_under_external_pressure_and_one_whose_reading_is_stale(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    """As `gpubroker status` does: the figures of a GPU whose requests are refused must not read as room to offer."""
+    client, broker, probe = served
+    assert "warning" not in await (await client.get("/fragment/node")).text()
+    await lease(client, {"gpu_memory": "20GiB"})
+    probe.external(0, 6 * GIB)  # grown 3 GiB into what the lease declared and the reserve
+    await broker.sample()
+    text = await (await client.get("/fragment/node")).text()
+    assert "external pressure: external usage has grown 3.0 GiB into leased or reserved memory" in text
+    assert "stale:" not in text
+    broker.clock.advance(broker.config.staleness + 1)  # type: ignore[attr-defined]  # no reading since: a hung driver
+    assert "stale:" in await (await client.get("/fragment/node")).text()
+
+
 async def test_an_ended_lease_on_the_leases_page_has_no_expiry_ahead(served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe]) -> None:
     client, broker, _ = served
     held = await lease(client)
