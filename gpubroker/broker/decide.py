@@ -195,6 +195,8 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]
     nth = sorted(fresh, key=lambda b: (-b.figures.schedulable, b.reading.index))[min(request.gpus, len(fresh)) - 1]
     if request.exclusive:
         needs = "needs the whole GPU" if request.gpus == 1 else f"needs {request.gpus} whole GPUs"
+        if need:  # the whole GPU, as long as it has that much: the figure that decided it is named
+            needs += f", with at least {gib(need)}{' each' if request.gpus > 1 else ''}{short_by(need, nth.figures.schedulable)}"
     elif request.gpus > 1:
         needs = f"needs {request.gpus} GPUs with {gib(need)} each{short_by(need, nth.figures.schedulable)}"
     else:

@@ -517,6 +517,19 @@ async def test_an_exclusive_request_on_a_gpu_with_a_lease_says_what_holds_it_and
     assert error.message.endswith(f"held by {lease['id']}; needs the whole GPU"), error.message
 
 
+async def test_an_exclusive_request_for_more_than_the_whole_gpu_has_left_says_how_much_it_needs(
+    make_node: Callable[..., Any],
+) -> None:
+    """The message said only "needs the whole GPU" after 17.0 schedulable: the 18 GiB the request asked for at least
+    was in no word of it."""
+    node = await make_node()
+    node.probe.external(0, 6 * GIB)
+    await node.sample()
+    error = await node.refused(exclusive=True, gpu_memory="18GiB")
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert error.message.endswith("→ 17.0 schedulable; needs the whole GPU, with at least 18.0"), error.message
+
+
 async def test_a_renewal_the_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, token = await node.ask(gpu_memory="1GiB", ttl="4s")
