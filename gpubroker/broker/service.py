@@ -819,19 +819,6 @@ class Broker:
                 ),
             )
         waits = request.wait > 0 or request.deadline is not None
-        queued = [w for w in self.waiters if w.request.priority == priority] if waits else []  # a request that will not wait looks at none
-        if waits and len(queued) >= self.config.queue_limit:
-            # Who fills it: one user's flood must be told apart from a busy machine, and named.
-            by_whom = Counter(w.caller.user or w.caller.admin_name or f"anonymous ({w.caller.transport})" for w in queued)
-            whom = ", ".join(f"{who} {count}" for who, count in sorted(by_whom.items(), key=lambda item: (-item[1], item[0])))
-            raise self._refused(
-                request,
-                Refusal(
-                    FailureCode.QUEUE_FULL,
-                    f"{len(queued)} {priority} requests already wait on node {self.config.name} ({whom}); the queue holds {self.config.queue_limit}",
-                    {"priority": priority, "queue_limit": self.config.queue_limit, "waiting_by_user": dict(by_whom)},
-                ),
-            )
         self._waiter_seq += 1
         waiter = Waiter(
             id=new_lease_id(),
@@ -856,6 +843,20 @@ class Broker:
                     FailureCode.DEADLINE_CANNOT_BE_MET,
                     f"{decision.message}; what holds the room is held past the deadline {rfc3339(request.deadline)} and may not be preempted",
                     {**decision.details, "deadline": rfc3339(request.deadline)},
+                ),
+            )
+        # Only a request that must wait takes a place in its class's queue: one that fits now is granted, full queue or not.
+        queued = [w for w in self.waiters if w.request.priority == priority]
+        if len(queued) >= self.config.queue_limit:
+            # Who fills it: one user's flood must be told apart from a busy machine, and named.
+            by_whom = Counter(w.caller.user or w.caller.admin_name or f"anonymous ({w.caller.transport})" for w in queued)
+            whom = ", ".join(f"{who} {count}" for who, count in sorted(by_whom.items(), key=lambda item: (-item[1], item[0])))
+            raise self._refused(
+                request,
+                Refusal(
+                    FailureCode.QUEUE_FULL,
+                    f"{len(queued)} {priority} requests already wait on node {self.config.name} ({whom}); the queue holds {self.config.queue_limit}",
+                    {"priority": priority, "queue_limit": self.config.queue_limit, "waiting_by_user": dict(by_whom)},
                 ),
             )
         return await self._wait(waiter, decision)

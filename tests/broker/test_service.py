@@ -333,6 +333,23 @@ async def test_the_seventeenth_waiting_request_of_a_class_gets_queue_full(make_n
     assert len(await node.events("lease.cancelled")) == 17
 
 
+async def test_a_request_that_fits_now_is_granted_though_its_class_queue_is_full(make_node: Callable[..., Any]) -> None:
+    """A full queue refuses a place in it, not a grant: with a wait, a request that needs none is granted as without."""
+    node = await make_node([24 * GIB, 24 * GIB], queue_limit=2)
+    await node.ask(gpu_memory="20GiB", gpu=0)
+    waiting = [asyncio.create_task(node.ask(gpu_memory="10GiB", gpu=0, priority="background", wait="1m")) for _ in range(2)]
+    await settle()
+    lease, _ = await node.ask(gpu_memory="10GiB", gpu=1, priority="background", wait="1m")
+    assert lease["state"] == "granted"
+    lease, _ = await node.ask(gpu_memory="1GiB", priority="background", deadline=rfc3339(node.clock.now() + 60))
+    assert [gpu["index"] for gpu in lease["gpus"]] == [1]  # GPU 0 is claimed by the requests waiting ahead
+    error = await node.refused(gpu_memory="10GiB", gpu=0, priority="background", wait="1m")
+    assert error.code is FailureCode.QUEUE_FULL  # one that must wait still finds the queue full
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
 async def test_a_waiter_blocks_its_own_class_and_lower_but_not_a_higher_one(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     await node.ask(gpu_memory="20GiB")
