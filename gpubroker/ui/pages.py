@@ -442,13 +442,19 @@ def lease_rows(
                 )
             for lease in own:
                 queued = lease["state"] == "queued"
+                if queued:  # no GPU is chosen yet: what it asks for, and its place in the queue and why
+                    gpus, held = _asked(lease["request"]), lease["request"]["gpu_memory"] * lease["request"]["gpus"]
+                else:
+                    gpus = _indexes(lease.get("gpus", []), missing if lease["state"] == "granted" else set())
+                    held = sum(g["bytes"] for g in lease.get("gpus", []))
                 rows.append(
                     {
                         "id": lease["id"],
                         "holder": lease["holder"].get("name"),
                         "node": name,
-                        "gpus": "" if queued else _indexes(lease.get("gpus", []), missing if lease["state"] == "granted" else set()),
-                        "bytes": lease["request"]["gpu_memory"] if queued else sum(g["bytes"] for g in lease.get("gpus", [])),
+                        "gpus": gpus,
+                        "bytes": held,
+                        "waits": f"position {lease['position']}: {lease['reason']}" if queued else None,
                         "priority": lease["priority"],
                         "preemption": lease["preemption"],
                         "since": lease["queued_at"] if queued else lease["granted_at"],
@@ -494,6 +500,13 @@ def lease_rows(
     return rows, queues, cut
 
 
+def _asked(request: dict[str, Any]) -> str:
+    """The GPUs a waiting request waits for: the one it is pinned to, or any of them."""
+    if not request["gpus"]:
+        return ""
+    return str(request["gpu"]) if request["gpu"] is not None else f"any {request['gpus']}"
+
+
 def _indexes(gpus: list[dict[str, Any]], missing: set[str]) -> str:
     """A lease's GPUs by index, a card its driver no longer lists marked so (its memory is in no GPU's figures)."""
     return ", ".join(f"{g['index']}{' (no longer listed)' if g.get('uuid') in missing else ''}" for g in gpus)
@@ -533,7 +546,8 @@ def leases_region(request: web.Request) -> str:
             moment(r["since"], now) if r["since"] else "—",
             moment(r["expires"], now) if r["expires"] else "—",
             f'<span class="state state-{e(r["state"])}">{e(r["state"])}</span>'
-            + (f'<br><span class="muted">as last seen: {e(r["node"])} is {e(r["node_down"])}</span>' if r.get("node_down") else ""),
+            + (f'<br><span class="muted">as last seen: {e(r["node"])} is {e(r["node_down"])}</span>' if r.get("node_down") else "")
+            + (f'<br><span class="muted waits">{e(r["waits"])}</span>' if r.get("waits") else ""),
             f'<code class="lease-id">{e(r["id"])}</code>',
             *(
                 [

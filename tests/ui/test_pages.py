@@ -459,6 +459,31 @@ async def test_an_ended_lease_on_the_leases_page_has_no_expiry_ahead(served: tup
     assert expiry[ended["id"]].startswith("—")
 
 
+async def test_a_waiting_request_on_the_leases_page_shows_the_gpu_it_waits_for_its_position_and_why(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    """As `gpubroker leases` does: a queued row read "GPU —" and "queued", with no word of its place or of what holds it."""
+    client, broker, _ = served
+    await lease(client, {"gpu_memory": "20GiB"})
+    waiting = []
+    for more in ({"gpu_memory": "8GiB", "gpu": 0}, {"gpu_memory": "2GiB"}):  # the second would fit but for the first
+        waiting.append(asyncio.create_task(client.post("/v1/leases", json={"wait": "1m", **more})))
+        for _ in range(500):  # queued in order: the second asks once the first waits
+            if len(broker.waiters) == len(waiting):
+                break
+            await asyncio.sleep(0.01)
+    text = await (await client.get("/fragment/leases")).text()
+    pinned, anywhere = (next(row for row in text.split("<tr") if waiter.id in row) for waiter in broker.waiters)
+    assert pinned.split("<td>")[3:5] == ["0</td>", "8.0 GiB</td>"]  # holder, node, GPU, bytes
+    assert anywhere.split("<td>")[3:5] == ["any 1</td>", "2.0 GiB</td>"]
+    assert "position 1: GPU 0 (" in pinned
+    assert "position 2: GPU 0 (" in anywhere
+    assert "claimed by requests waiting ahead" in anywhere
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
 async def test_the_sign_in_page_of_a_node_without_a_password_says_there_is_nothing_to_sign_in_to(
     served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
 ) -> None:
