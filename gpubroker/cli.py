@@ -674,7 +674,7 @@ def _print_leases(leases: list[dict[str, Any]]) -> None:
         gpus = ",".join(f"{g['index']}:{gib(g['bytes'])}" for g in lease.get("gpus", [])) or "-"
         if lease["state"] == "queued":
             gpus = _asked_gpus(lease.get("request") or {})
-            tail = f"position {lease['position']}: {lease['reason']}"
+            tail = f"position {lease['position']}{_behind(lease.get('waiting_behind') or [])}: {lease['reason']}"
         elif lease["state"] == "granted":
             tail = lease["expires_at"]
         else:
@@ -696,6 +696,14 @@ def _width(text: str) -> int:
 def _pad(text: str, width: int) -> str:
     """A table's cell filled with spaces to `width` columns on a terminal, as `f"{text:{width}}"` does by characters."""
     return text + " " * max(0, width - _width(text))
+
+
+def _behind(ids: list[str], shown: int = 3) -> str:
+    """Which requests a waiting one waits behind, as the API gives them (`waiting_behind`): the first few by id."""
+    if not ids:
+        return ""
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return f", behind {', '.join(ids[:shown])}{more}"
 
 
 def _asked_gpus(request: dict[str, Any]) -> str:

@@ -225,6 +225,20 @@ def test_leases_shows_what_a_waiting_request_asks_of_gpus(capsys: pytest.Capture
         assert capsys.readouterr().out.splitlines()[1].split()[4] == shown
 
 
+def test_leases_names_the_requests_a_waiting_one_waits_behind(capsys: pytest.CaptureFixture[str]) -> None:
+    """A request held back by others ahead of it says which, as the API's `waiting_behind` does."""
+    asked = {"gpu_memory": 2**30, "gpus": 1, "exclusive": False, "gpu": None, "cpu_cores": 0, "memory": 0}
+    for behind, said in (
+        ([], "position 1: GPU 0 ..."),
+        (["l-a"], "position 2, behind l-a: GPU 0 ..."),
+        (["l-a", "l-b", "l-c", "l-d", "l-e"], "position 6, behind l-a, l-b, l-c and 2 more: GPU 0 ..."),
+    ):
+        waiting = {"id": "l-w", "state": "queued", "priority": "background", "holder": {"name": "w"}, "position": len(behind) + 1,
+                   "waiting_behind": behind, "reason": "GPU 0 ...", "request": asked}  # fmt: skip
+        cli._print_leases([waiting])
+        assert capsys.readouterr().out.splitlines()[1].endswith(f"  {said}")
+
+
 def test_every_subcommands_help_says_what_it_does_and_what_each_of_its_arguments_is() -> None:
     top = cli.parser()
     commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
