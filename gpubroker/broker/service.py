@@ -878,11 +878,18 @@ class Broker:
         blocked: set[int] = set()
         if not self.waiters:
             return blocked
-        budgets = self.budgets()
-        for other in self.waiters:
-            if other.order < waiter.order and other.lease is None and other.claims:
-                blocked.update(b.reading.index for b in candidates(other.request, budgets) if other.request.wants_gpus)
+        for _, claimed in self._claims_ahead(waiter, self.budgets()):
+            blocked |= claimed
         return blocked
+
+    def _claims_ahead(self, waiter: Waiter, budgets: list[Budget]) -> list[tuple[Waiter, set[int]]]:
+        """The requests waiting ahead of this one that claim accelerators, each with the ones it claims: not one that
+        wants no GPU, one refused for the driver (it claims none), nor one granted and being made durable."""
+        return [
+            (other, {b.reading.index for b in candidates(other.request, budgets)})
+            for other in self.waiters
+            if other.order < waiter.order and other.lease is None and other.claims and other.request.wants_gpus
+        ]
 
     def _hopeless(self, request: LeaseRequest) -> bool:
         """Whether the request cannot fit by its deadline even if every lease that may end by then does."""
@@ -1386,7 +1393,7 @@ class Broker:
     def waiter_json(self, waiter: Waiter) -> dict[str, Any]:
         budgets = self.budgets()
         mine = {b.reading.index for b in candidates(waiter.request, budgets)} if waiter.request.wants_gpus else set()
-        behind = [w.id for w in self.waiters if w.order < waiter.order and mine & {b.reading.index for b in candidates(w.request, budgets)}]
+        behind = [other.id for other, claimed in self._claims_ahead(waiter, budgets) if mine & claimed]
         r = waiter.request
         return {
             "id": waiter.id,

@@ -375,9 +375,16 @@ async def test_a_queued_request_shows_its_position_and_what_it_waits_behind(make
     assert (one["position"], two["position"]) == (1, 2)
     assert two["waiting_behind"] == [one["id"]]
     assert "3.0 schedulable; needs 15.0" in one["reason"]
-    for task in (first, second):
+    # A request ahead that wants no GPU holds none back: it is not named as one a GPU request waits behind.
+    await node.ask(cpu_cores=node.broker.host.cores)
+    cores = asyncio.create_task(node.ask(cpu_cores=1, priority="interactive", wait="1m"))
+    await settle()
+    queued = {lease["id"]: lease for lease in node.broker.list_leases("queued", 10)}
+    assert [lease["request"]["cpu_cores"] for lease in queued.values()].count(1) == 1
+    assert queued[two["id"]]["waiting_behind"] == [one["id"]]
+    for task in (first, second, cores):
         task.cancel()
-    await asyncio.gather(first, second, return_exceptions=True)
+    await asyncio.gather(first, second, cores, return_exceptions=True)
 
 
 async def test_a_wait_that_runs_out_is_lease_timeout(make_node: Callable[..., Any]) -> None:
