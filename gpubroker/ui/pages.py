@@ -443,7 +443,9 @@ def lease_rows(
             for lease in own:
                 queued = lease["state"] == "queued"
                 if queued:  # no GPU is chosen yet: what it asks for, and its place in the queue and why
-                    gpus, held = _asked(lease["request"]), lease["request"]["gpu_memory"] * lease["request"]["gpus"]
+                    asked = lease["request"]
+                    # An exclusive request asks for whole GPUs, whatever their size: its gpu_memory is only their least.
+                    gpus, held = _asked(asked), None if asked["exclusive"] else asked["gpu_memory"] * asked["gpus"]
                 else:
                     gpus = _indexes(lease.get("gpus", []), missing if lease["state"] == "granted" else set())
                     held = sum(g["bytes"] for g in lease.get("gpus", []))
@@ -540,7 +542,7 @@ def leases_region(request: web.Request) -> str:
             f'<span class="holder">{e(r["holder"] or "—")}</span>' + _labels(r["labels"]),
             f'<span class="node-name">{e(r["node"])}</span>',
             e(r["gpus"] or "—"),
-            gib(r["bytes"]),
+            "whole" if r["bytes"] is None else gib(r["bytes"]),
             e(r["priority"]),
             e(r["preemption"] or "—"),
             moment(r["since"], now) if r["since"] else "—",

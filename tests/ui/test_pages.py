@@ -466,16 +466,19 @@ async def test_a_waiting_request_on_the_leases_page_shows_the_gpu_it_waits_for_i
     client, broker, _ = served
     await lease(client, {"gpu_memory": "20GiB"})
     waiting = []
-    for more in ({"gpu_memory": "8GiB", "gpu": 0}, {"gpu_memory": "2GiB"}):  # the second would fit but for the first
+    asks = ({"gpu_memory": "8GiB", "gpu": 0}, {"gpu_memory": "2GiB"}, {"exclusive": True})  # the second would fit but for the first
+    for more in asks:
         waiting.append(asyncio.create_task(client.post("/v1/leases", json={"wait": "1m", **more})))
-        for _ in range(500):  # queued in order: the second asks once the first waits
+        for _ in range(500):  # queued in order: each asks once the one before waits
             if len(broker.waiters) == len(waiting):
                 break
             await asyncio.sleep(0.01)
+        assert len(broker.waiters) == len(waiting), "a request did not join the queue"
     text = await (await client.get("/fragment/leases")).text()
-    pinned, anywhere = (next(row for row in text.split("<tr") if waiter.id in row) for waiter in broker.waiters)
+    pinned, anywhere, whole = (next(row for row in text.split("<tr") if waiter.id in row) for waiter in broker.waiters)
     assert pinned.split("<td>")[3:5] == ["0</td>", "8.0 GiB</td>"]  # holder, node, GPU, bytes
     assert anywhere.split("<td>")[3:5] == ["any 1</td>", "2.0 GiB</td>"]
+    assert whole.split("<td>")[3:5] == ["any 1</td>", "whole</td>"]  # a whole GPU, whatever its size: not "0.0 GiB"
     assert "position 1: GPU 0 (" in pinned
     assert "position 2: GPU 0 (" in anywhere
     assert "claimed by requests waiting ahead" in anywhere
