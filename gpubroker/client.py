@@ -207,12 +207,13 @@ class Client:
             ) from None
         except OSError as error:
             if isinstance(error, PermissionError) and self.endpoint.is_unix:
-                # A broker may well answer there: this user is kept from its socket, which starting one would not change.
-                raise ClientError(0, "UNREACHABLE", _kept_from(self.endpoint.url.removeprefix("unix:"), str(error.strerror))) from None
+                # A broker may well answer there: this user is kept from its socket, which starting one would not change,
+                # nor waiting (FORBIDDEN: `events --follow` does not wait for it to answer as it waits through a restart).
+                raise ClientError(0, "FORBIDDEN", _kept_from(self.endpoint.url.removeprefix("unix:"), str(error.strerror))) from None
             if self.endpoint.denied:  # nothing answers on TCP either: the socket this user is kept from is the likely broker
                 raise ClientError(
                     0,
-                    "UNREACHABLE",
+                    "FORBIDDEN",
                     f"no broker answers at {self.endpoint.url} ({error}); {_kept_from(self.endpoint.denied[0], 'Permission denied')}",
                 ) from None
             raise ClientError(0, "UNREACHABLE", f"no broker answers at {self.endpoint.url} ({error}){self._hint()}") from None
