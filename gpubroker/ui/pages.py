@@ -305,7 +305,8 @@ def cluster_region(request: web.Request) -> str:
         fresh = f"seen {moment(now - age, now)}" if age is not None else '<span class="muted">no document yet</span>'
         rows = "".join(
             f'<li class="gpu" data-uuid="{e(gpu.get("uuid"))}"><div class="gpu-head"><span>{e(gpu.get("index"))} · {e(gpu.get("name"))}</span>'
-            f'<code>{e(gpu.get("uuid"))}</code></div>{STALE if gpu.get("stale") else ""}{bar(gpu)}<p class="figures">{e(figures_text(gpu))}</p></li>'
+            f"<code>{e(gpu.get('uuid'))}</code></div>{STALE if gpu.get('stale') else ''}{PRESSURE if gpu.get('pressure') else ''}"
+            f'{bar(gpu)}<p class="figures">{e(figures_text(gpu))}</p></li>'
             for gpu in gpus
         )
         problem = node.get("driver_error") or (node.get("document") or {}).get("driver_error")
@@ -333,6 +334,12 @@ def cluster_region(request: web.Request) -> str:
 # A reading too old to decide on where the GPU is (its node's verdict, in its document for another node's): its figures
 # are the last known, not room; the node refuses requests for it (SCHEDULER_STATE_STALE) until it is read again.
 STALE = '<p class="warning">stale: its reading is too old to decide on; no lease is granted on it until it is read again</p>'
+# External usage grown into what leases declared or the reserve (its node's verdict, in its document for another node's):
+# nothing is revoked, and what it leaves no room for is refused. The Node page says by how much.
+PRESSURE = (
+    '<p class="warning">external pressure: external usage has grown into leased or reserved memory; nothing is revoked, '
+    "and requests it leaves no room for are refused (EXTERNAL_GPU_PRESSURE)</p>"
+)
 
 
 def legend() -> str:

@@ -430,6 +430,23 @@ async def test_a_gpu_whose_reading_is_stale_is_marked_on_the_cluster_page_here_a
     assert (await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": stale})).count("stale:") == 2
 
 
+async def test_a_gpu_under_external_pressure_is_marked_on_the_cluster_page_here_and_on_a_peer(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its figures read as any other GPU's there, room to offer where requests are refused."""
+    client, broker, probe = served
+    calm = summarize(broker.node_json(), [])
+    assert (await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": calm})).count(
+        "external pressure:"
+    ) == 0
+    await lease(client, {"gpu_memory": "20GiB"})
+    probe.external(0, 6 * GIB)  # grown 3 GiB into what the lease declared and the reserve
+    await broker.sample()
+    pressed = summarize(broker.node_json(), [])  # the peer's document says so, as its node decided
+    text = await cluster_with_a_peer(client, broker, monkeypatch, {"state": "alive", "age": 1.0, "document": pressed})
+    assert text.count("external pressure:") == 2
+
+
 async def test_the_node_page_marks_a_gpu_under_external_pressure_and_one_whose_reading_is_stale(
     served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
 ) -> None:
