@@ -1488,9 +1488,11 @@ class Broker:
     def dropped(self, after: int, found: list[dict[str, Any]]) -> int:
         """How many events after `after`, up to the first of `found`, are no longer kept (events_kept): those older than
         the oldest kept. A hole above it is no such thing: a write that failed (a full disk) took its events' seqs
-        with it, and those events never were."""
+        with it, and those events never were. The store is read only where there is a hole to account for."""
+        if not found or found[0]["seq"] <= after + 1:
+            return 0
         oldest = self.store.oldest_event()
-        if not found or oldest is None:
+        if oldest is None:
             return 0
         return max(0, min(int(found[0]["seq"]), oldest) - after - 1)
 

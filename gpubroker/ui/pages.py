@@ -305,7 +305,7 @@ def cluster_region(request: web.Request) -> str:
         fresh = f"seen {moment(now - age, now)}" if age is not None else '<span class="muted">no document yet</span>'
         rows = "".join(
             f'<li class="gpu" data-uuid="{e(gpu.get("uuid"))}"><div class="gpu-head"><span>{e(gpu.get("index"))} · {e(gpu.get("name"))}</span>'
-            f"<code>{e(gpu.get('uuid'))}</code></div>{STALE if gpu.get('stale') else ''}{PRESSURE if gpu.get('pressure') else ''}"
+            f"<code>{e(gpu.get('uuid'))}</code></div>{STALE if gpu.get('stale') else ''}{pressure_warning(gpu, by_how_much=False)}"
             f'{bar(gpu)}<p class="figures">{e(figures_text(gpu))}</p></li>'
             for gpu in gpus
         )
@@ -334,12 +334,6 @@ def cluster_region(request: web.Request) -> str:
 # A reading too old to decide on where the GPU is (its node's verdict, in its document for another node's): its figures
 # are the last known, not room; the node refuses requests for it (SCHEDULER_STATE_STALE) until it is read again.
 STALE = '<p class="warning">stale: its reading is too old to decide on; no lease is granted on it until it is read again</p>'
-# External usage grown into what leases declared or the reserve (its node's verdict, in its document for another node's):
-# nothing is revoked, and what it leaves no room for is refused. The Node page says by how much.
-PRESSURE = (
-    '<p class="warning">external pressure: external usage has grown into leased or reserved memory; nothing is revoked, '
-    "and requests it leaves no room for are refused (EXTERNAL_GPU_PRESSURE)</p>"
-)
 
 
 def legend() -> str:
@@ -347,15 +341,18 @@ def legend() -> str:
     return '<p class="legend">' + "".join(f'<span><i class="seg-{k}"></i>{k}</span>' for k in kinds) + "</p>"
 
 
-def pressure_warning(gpu: dict[str, Any]) -> str:
-    """A GPU of this node whose external usage has grown into what its leases declared or its reserve: by how much."""
+def pressure_warning(gpu: dict[str, Any], by_how_much: bool = True) -> str:
+    """A GPU whose external usage has grown into what its leases declared or its reserve (its node's verdict, in its
+    document for another node's), by how much where its leases are at hand (this node's Node page)."""
     if not gpu.get("pressure"):
         return ""
-    f = gpu["figures"]
-    declared = sum(lease.get("bytes") or 0 for lease in gpu.get("leases", []))
-    grown = min(f["external"], f["external"] + f["resident"] + declared + f["reserve"] - f["total"])
+    grown = ""
+    if by_how_much:
+        f = gpu["figures"]
+        declared = sum(lease.get("bytes") or 0 for lease in gpu.get("leases", []))
+        grown = f" {gib(min(f['external'], f['external'] + f['resident'] + declared + f['reserve'] - f['total']))}"
     return (
-        f'<p class="warning">external pressure: external usage has grown {gib(grown)} into leased or reserved memory; '
+        f'<p class="warning">external pressure: external usage has grown{grown} into leased or reserved memory; '
         "nothing is revoked, and requests it leaves no room for are refused (EXTERNAL_GPU_PRESSURE)</p>"
     )
 

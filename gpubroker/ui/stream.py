@@ -157,7 +157,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
             found: list[dict[str, Any]] = []
             if broker.last_event_seq > after:
                 found, next_seq = broker.events(after, REPLAY_BATCH)  # nothing yet when the event is still on its way to disk
-                if found and found[0]["seq"] > after + 1 and (dropped := broker.dropped(after, found)):  # said, as /v1/events says
+                if dropped := broker.dropped(after, found):  # said, as /v1/events says
                     out.append(message({"dropped": dropped, "after": after, "next": found[0]["seq"]}, "dropped"))
                 after = next_seq
                 out += [message(event, str(event["type"]), event["seq"]) for event in found]
