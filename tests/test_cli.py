@@ -88,7 +88,7 @@ async def test_the_broker_continues_a_stopped_group_it_stops_so_sigterm_ends_it_
     try:
         proc.send_signal(signal.SIGSTOP)  # Ctrl-Z, and then the lease ended
         wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, timeout=5.0)
-        stopping = asyncio.create_task(holders.stop_groups([proc.pid], [os.getuid()], grace=30.0))
+        stopping = asyncio.create_task(holders.stop_groups([proc.pid], [os.getuid()], [], grace=30.0))
         assert await asyncio.to_thread(proc.wait, 5) == -signal.SIGTERM  # reaped here: the broker's holders are not its children
         await asyncio.wait_for(stopping, 5)  # and the group is seen gone long before the grace
     finally:

@@ -141,19 +141,21 @@ class Owners:
     leader of a group registered with it. At one place a group comes before a holder: a shell that ran work in the
     background and then exec'd the inner `gpubroker lease` is both that work's group leader, for the outer lease,
     and the inner lease's holder. A group whose leader is gone, or not in the line, comes after every holder in it.
-    Where two leases are as near, the one granted first (the lower lease epoch) owns it."""
+    Where two leases are as near, the one granted first (the lower lease epoch) owns it. A group whose leader started
+    after it was registered is another group, with its id reused, and no lease's."""
 
     def __init__(self, held: GpuLeases) -> None:
         self._by_holder: dict[int, list[tuple[int, tuple[Lease, int]]]] = {}
-        self._by_group: dict[int, list[tuple[int, tuple[Lease, int]]]] = {}
+        self._by_group: dict[int, list[tuple[int, float | None, tuple[Lease, int]]]] = {}
         for entry in held.held.values():
             # The order of grants is the lease epoch's, not the order held here: a restarted broker holds its leases in
             # the store's order, by their random ids.
             lease = entry[0]
             if lease.holder.pid is not None:
                 self._by_holder.setdefault(lease.holder.pid, []).append((lease.epoch, entry))
-            for pgid in lease.pgids:
-                self._by_group.setdefault(pgid, []).append((lease.epoch, entry))
+            if lease.pgids:
+                for pgid, started in zip(lease.pgids, lease.groups_started(), strict=True):
+                    self._by_group.setdefault(pgid, []).append((lease.epoch, started, entry))
 
     def of(self, process: GpuProcess) -> tuple[Lease, int] | None:
         """The live lease here that owns a process, and what it declared here; None when none does."""
@@ -166,8 +168,8 @@ class Owners:
                         best = ((place, 1, order), entry)
         if process.pgid is not None and process.pgid in self._by_group:
             place = line.index(process.pgid) if process.pgid in line else len(line)
-            for order, entry in self._by_group[process.pgid]:
-                if best is None or (place, 0, order) < best[0]:
+            for order, started, entry in self._by_group[process.pgid]:
+                if process.in_group_since(started) and (best is None or (place, 0, order) < best[0]):
                     best = ((place, 0, order), entry)
         return None if best is None else best[1]
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,24 @@ def start_time(pid: int) -> float | None:
         return float(stat.rpartition(b")")[2].split()[19]) / _TICKS + _BOOTED  # starttime, the 22nd field
     except (OSError, IndexError, ValueError):  # gone, or not a process's stat
         return None
+
+
+def group_started(pgid: int) -> float:
+    """What a process group is known by as it is registered, against the reuse of its id: when its leader (the
+    process whose pid is its id) started, or, where the leader is gone already, now, on the same scale."""
+    started = start_time(pgid)
+    return started if started is not None else _BOOTED + time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def is_same_group(pgid: int, started: float | None) -> bool:
+    """Whether process group `pgid` may still be the one registered at `started` (`group_started`). A group's id is
+    its leader's pid, which the kernel keeps from reuse while any process of the group lives: a process with that
+    pid that started later is the leader of another group, the registered one having ended. One whose leader alone
+    is gone is still the registered group. None (a group registered by an earlier version): the id alone says so."""
+    if started is None:
+        return True
+    leader = start_time(pgid)
+    return leader is None or leader < started + 0.01
 
 
 def process_name(pid: int) -> str | None:
@@ -113,11 +132,16 @@ def group_owners(pgid: int) -> set[int]:
     return owners
 
 
-def signalable_groups(pgids: list[int], uids: list[int]) -> list[int]:
-    """The groups still as they were registered: they have processes, every one of them is the uid's that
-    owned the group then, and none is the broker's (a group id reused by anyone else is left alone)."""
+def signalable_groups(pgids: list[int], uids: list[int], started: list[float | None]) -> list[int]:
+    """The groups still as they were registered: the same group (`is_same_group`), with processes, every one of
+    them the uid's that owned the group then, and not the broker's (a group id reused, even by that uid, is left
+    alone). `started` may be shorter than `pgids` (a lease stored by an earlier version): the rest go by id."""
     own = os.getpgrp()
-    return [pgid for pgid, uid in zip(pgids, uids, strict=False) if pgid != own and group_owners(pgid) == {uid}]
+    return [
+        pgid
+        for pgid, uid, at in zip(pgids, uids, [*started, *[None] * (len(pgids) - len(started))], strict=False)
+        if pgid != own and is_same_group(pgid, at) and group_owners(pgid) == {uid}
+    ]
 
 
 def group_alive(pgid: int) -> bool:
@@ -140,16 +164,17 @@ def signal_group(pgid: int, signum: int) -> bool:
     return False
 
 
-async def stop_groups(pgids: list[int], uids: list[int], grace: float) -> tuple[list[int], list[int]]:
+async def stop_groups(pgids: list[int], uids: list[int], started: list[float | None], grace: float) -> tuple[list[int], list[int]]:
     """SIGTERM each group, then SIGKILL what is left after `grace`: work never goes on without its lease.
 
     Only groups still as they were registered (`signalable_groups`), looked at again before each signal.
     Answers the groups sent SIGTERM, and those of them that had to be killed.
     """
-    signalled = [pgid for pgid in await asyncio.to_thread(signalable_groups, pgids, uids) if signal_group(pgid, signal.SIGTERM)]
+    signalled = [pgid for pgid in await asyncio.to_thread(signalable_groups, pgids, uids, started) if signal_group(pgid, signal.SIGTERM)]
     for pgid in signalled:  # a stopped group (Ctrl-Z) acts on SIGTERM only once continued
         signal_group(pgid, signal.SIGCONT)
     owner = dict(zip(pgids, uids, strict=False))
+    since = dict(zip(pgids, started, strict=False))
     alive = signalled
     waited = 0.0
     while alive and waited < grace:
@@ -158,7 +183,7 @@ async def stop_groups(pgids: list[int], uids: list[int], grace: float) -> tuple[
         alive = [pgid for pgid in alive if group_alive(pgid)]
     killed: list[int] = []
     if alive:
-        for pgid in await asyncio.to_thread(signalable_groups, alive, [owner[pgid] for pgid in alive]):
+        for pgid in await asyncio.to_thread(signalable_groups, alive, [owner[pgid] for pgid in alive], [since.get(pgid) for pgid in alive]):
             if signal_group(pgid, signal.SIGKILL):
                 killed.append(pgid)
     return signalled, killed

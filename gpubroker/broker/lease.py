@@ -63,6 +63,9 @@ class Lease:
     ttl: float
     pgids: list[int] = field(default_factory=list)  # process groups registered with the lease
     pgid_uids: list[int] = field(default_factory=list)  # the uid that owned each group when it was registered
+    # When each group's leader started, as registered (`holders.group_started`), so that a later group with a reused
+    # id is not taken for it. Shorter than `pgids` in a lease stored by an earlier version: those go by id alone.
+    pgid_started: list[float | None] = field(default_factory=list)
     ended_at: float | None = None
     reason: str | None = None
     # Its expiry on the elapsed clock (the boot's monotonic clock, the same in every process): a broker started again
@@ -75,6 +78,10 @@ class Lease:
 
     def bytes_on(self, uuid: str) -> int:
         return sum(g.bytes for g in self.gpus if g.uuid == uuid)
+
+    def groups_started(self) -> list[float | None]:
+        """`pgid_started` for each of `pgids`: None where none was recorded."""
+        return [*self.pgid_started[: len(self.pgids)], *[None] * (len(self.pgids) - len(self.pgid_started))]
 
     def env(self) -> dict[str, str]:
         # Empty without GPUs: work under a CPU-only lease sees no GPU, rather than every GPU it inherited.
@@ -125,7 +132,8 @@ class Lease:
             "gpus": [{"index": g.index, "uuid": g.uuid, "bytes": g.bytes, "epoch": g.epoch} for g in self.gpus],
             "exclusive": self.exclusive, "cpu_cores": self.cpu_cores, "memory": self.memory, "labels": self.labels,
             "token_hash": self.token_hash, "requested_at": self.requested_at, "granted_at": self.granted_at,
-            "expires_at": self.expires_at, "ttl": self.ttl, "pgids": list(self.pgids), "pgid_uids": list(self.pgid_uids), "ended_at": self.ended_at,
+            "expires_at": self.expires_at, "ttl": self.ttl, "pgids": list(self.pgids), "pgid_uids": list(self.pgid_uids),
+            "pgid_started": list(self.pgid_started), "ended_at": self.ended_at,
             "reason": self.reason, "deadline": self.deadline,
         }  # fmt: skip
 

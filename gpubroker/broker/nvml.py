@@ -168,8 +168,8 @@ class NvmlProbe:
         processes = []
         for pid, size in used.items():
             # A process gone since NVML listed it keeps its bytes, with no name and no group.
-            name, pgid, ancestors, started = describe_process(pid)
-            processes.append(GpuProcess(pid, name, size, pgid, ancestors, started))
+            name, pgid, ancestors, started, leader = describe_process(pid)
+            processes.append(GpuProcess(pid, name, size, pgid, ancestors, started, leader))
         return tuple(processes)
 
     def _list(self, function: str, gpu: int, handle: Any) -> Any:

@@ -58,11 +58,18 @@ class GpuProcess:
     # When the process and each of its ancestors started, in that order; empty when not known. A pid is reused once
     # its process is gone: with its start time, a later process is not taken for a lease's holder or its work.
     started: tuple[float, ...] = ()
+    # When its group's leader (the process whose pid is `pgid`) started; None when it is gone or not known.
+    leader_started: float | None = None
 
     def same_as(self, place: int, started: float | None) -> bool:
         """Whether the process at `place` in its line (0 itself, 1 its parent, ...) is the one that started at
         `started`; when either time is not known, the pid alone says so."""
         return started is None or place >= len(self.started) or abs(self.started[place] - started) < 0.01
+
+    def in_group_since(self, started: float | None) -> bool:
+        """Whether its process group may be the one registered at `started`, as `holders.is_same_group` says: not when
+        its leader started later (the registered group ended, and its id was reused)."""
+        return started is None or self.leader_started is None or self.leader_started < started + 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,23 +102,27 @@ class GpuProbe(Protocol):
         """Let the driver go (NVML's shutdown); the broker calls it once it stops sampling."""
 
 
-def describe_process(pid: int) -> tuple[str, int | None, tuple[int, ...], tuple[float, ...]]:
-    """Name, process group, ancestor pids, and start times of it and its ancestors, of a local process; empty
-    when it is gone."""
+def describe_process(pid: int) -> tuple[str, int | None, tuple[int, ...], tuple[float, ...], float | None]:
+    """Name, process group, ancestor pids, start times of it and its ancestors, and its group leader's start time,
+    of a local process; empty when it is gone."""
     try:
         process = psutil.Process(pid)
         name = printable_text(process.name())  # a process may name itself with any bytes
         pgid = os.getpgid(pid)
         ancestors = tuple(parent.pid for parent in process.parents())
     except (psutil.Error, ProcessLookupError, PermissionError):
-        return "", None, (), ()
+        return "", None, (), (), None
+    line = (pid, *ancestors)
     started: list[float] = []
-    for one in (pid, *ancestors):  # as holders read them, so that a holder's time and its work's compare
+    for one in line:  # as holders read them, so that a holder's time and its work's compare
         at = start_time(one)
         if at is None:  # gone since: those above it are not known either
             break
         started.append(at)
-    return name, pgid, ancestors, tuple(started)
+    # Its leader is most often itself or an ancestor, already read; one read more where it is not.
+    place = line.index(pgid) if pgid in line else None
+    leader = started[place] if place is not None and place < len(started) else start_time(pgid)
+    return name, pgid, ancestors, tuple(started), leader
 
 
 _SPEC_PART = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\S+)\s*$", re.IGNORECASE)
@@ -284,8 +295,8 @@ class SimulatedProbe:
 def _simulated_process(process: _SimProcess) -> GpuProcess:
     """A process of the simulation file; one that runs here is described as NVML's are, so a lease's
     descendants and process groups own it as they would on a real GPU."""
-    _, pgid, ancestors, started = describe_process(process.pid)
-    return GpuProcess(process.pid, process.name, process.used, pgid, ancestors, started)
+    _, pgid, ancestors, started, leader = describe_process(process.pid)
+    return GpuProcess(process.pid, process.name, process.used, pgid, ancestors, started, leader)
 
 
 @dataclass(frozen=True, slots=True)

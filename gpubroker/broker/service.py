@@ -335,10 +335,10 @@ class Broker:
 
         Start times are the kernel's ticks since boot plus the boot time as this broker read it at its start, which a
         step of the wall clock since the last run moves (NTP setting a board's clock): held as they were, every
-        caller-bound holder would seem gone, its lease released and its work stopped. On the same boot they move by
-        what the boot time moved, and each lease's expiry is where its `deadline` on the boot's monotonic clock puts
-        it, whatever the wall clock did since it was granted or renewed: a step forward expired every lease not
-        renewed since. After a reboot no holder and no process group survived (`_rebooted`)."""
+        caller-bound holder would seem gone, its lease released and its work stopped, and every registered group seem
+        another's. On the same boot they move by what the boot time moved, and each lease's expiry is where its
+        `deadline` on the boot's monotonic clock puts it, whatever the wall clock did since it was granted or renewed:
+        a step forward expired every lease not renewed since. After a reboot no holder and no process group survived (`_rebooted`)."""
         boot_id, booted = holders.boot_clock()
         writes = [Write("meta", b"clock", {"boot_id": boot_id, "booted": booted})]
         if not isinstance(stored, dict) or boot_id is None or not isinstance(stored.get("boot_id"), str):
@@ -349,10 +349,16 @@ class Broker:
         before = stored.get("booted")
         moved = booted - before if isinstance(before, int | float) else 0.0
         now, elapsed = self.clock.now(), self.clock.elapsed()
+        for _, ended in self.ended.values() if moved else ():  # in memory: its groups are looked at only just after a start
+            if ended.pgid_started:
+                ended.pgid_started = [None if at is None else at + moved for at in ended.pgid_started]
         for lease in self.leases.values():
             changed = False
             if moved and lease.holder.start_time is not None:
                 lease.holder.start_time += moved
+                changed = True
+            if moved and lease.pgid_started:
+                lease.pgid_started = [None if at is None else at + moved for at in lease.pgid_started]
                 changed = True
             deadline = deadlines.get(lease.id)
             if isinstance(deadline, int | float) and abs(now + (deadline - elapsed) - lease.expires_at) > 1.0:
@@ -371,19 +377,20 @@ class Broker:
         if self._rebooted:  # none survived: a group with its id now is another's, and is never signalled for this lease
             kept: list[int] = []
         else:
-            kept = await asyncio.to_thread(holders.signalable_groups, lease.pgids, lease.pgid_uids) if known else []
+            kept = await asyncio.to_thread(holders.signalable_groups, lease.pgids, lease.pgid_uids, lease.pgid_started) if known else []
         dropped = [pgid for pgid in lease.pgids if pgid not in kept]
         if not dropped:
             return []
         owner = dict(zip(lease.pgids, lease.pgid_uids, strict=False))
-        lease.pgids, lease.pgid_uids = kept, [owner[pgid] for pgid in kept]
+        since = dict(zip(lease.pgids, lease.groups_started(), strict=True))
+        lease.pgids, lease.pgid_uids, lease.pgid_started = kept, [owner[pgid] for pgid in kept], [since[pgid] for pgid in kept]
         self._changed(lease)
         why = (
             "the machine restarted since"
             if self._rebooted
             else "registered with no owner recorded"
             if not known
-            else "gone, or no longer all their owner's"
+            else "gone, another group's id now, or no longer all their owner's"
         )
         return [
             Write("leases", lease.id.encode(), lease.to_record()),
@@ -1191,7 +1198,8 @@ class Broker:
             raise Forbidden(
                 f"process group {pgid} can be registered only on the Unix socket, where the kernel names the caller", {"pgid": pgid}
             )
-        owners = await asyncio.to_thread(holders.group_owners, pgid)
+        # Its leader's start time first: the processes then found are of the group it leads (or led), not of a later one.
+        started, owners = await asyncio.to_thread(lambda: (holders.group_started(pgid), holders.group_owners(pgid)))
         if not owners:
             raise InvalidRequest(f"process group {pgid} does not exist", {"field": "pgid"})
         uids = ", ".join(map(str, sorted(owners)))
@@ -1205,18 +1213,21 @@ class Broker:
                 f"process group {pgid} is uid {uids}'s; uid {caller.uid} may register only its own", {"pgid": pgid, "uids": [owner]}
             )
         lease = self._live(lease_id)  # it may have ended while the processes were read
-        before = list(lease.pgids), list(lease.pgid_uids)
+        before = list(lease.pgids), list(lease.pgid_uids), list(lease.pgid_started)
+        lease.pgid_started = lease.groups_started()
         if pgid in lease.pgids:  # registered again: by its owner now (its id may have been reused since)
             lease.pgid_uids[lease.pgids.index(pgid)] = owner
+            lease.pgid_started[lease.pgids.index(pgid)] = started
         else:
             lease.pgids.append(pgid)
             lease.pgid_uids.append(owner)  # at its end it is signalled only if still this uid's
+            lease.pgid_started.append(started)  # and only if still this group, not another with its id
         self._changed(lease)  # its processes on its accelerators are now its own
         try:
             await self.store.commit([Write("leases", lease.id.encode(), lease.to_record())])
         except BrokerError:  # refused (STORE_FULL): "nothing was changed", in memory either
             if lease.live:
-                lease.pgids, lease.pgid_uids = before
+                lease.pgids, lease.pgid_uids, lease.pgid_started = before
                 self._changed(lease)
             raise
         return lease
@@ -1345,7 +1356,7 @@ class Broker:
         """Stop what an ended lease left running, and say so in an event and in the lease's reason: its user
         is to see that the work was stopped, why, and whether it had to be killed."""
         grace = self.config.kill_grace
-        signalled, killed = await holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), grace)
+        signalled, killed = await holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), list(lease.pgid_started), grace)
         if not signalled:
             return  # nothing was left running
         how = ", ".join(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpubroker.broker.budget import GpuLeases, Owners
 from gpubroker.broker.lease import Holder, Lease, LeasedGpu
 from gpubroker.broker.probes import GpuProcess
@@ -9,12 +11,19 @@ from gpubroker.broker.probes import GpuProcess
 MIB = 2**20
 
 
-def lease(lease_id: str, holder: int | None, pgids: tuple[int, ...] = (), started: float | None = None, epoch: int = 1) -> Lease:
+def lease(
+    lease_id: str,
+    holder: int | None,
+    pgids: tuple[int, ...] = (),
+    started: float | None = None,
+    epoch: int = 1,
+    pgid_started: tuple[float | None, ...] = (),
+) -> Lease:
     return Lease(
         id=lease_id, node="n-test", state="granted", epoch=epoch, priority="batch", preemption="never", bind="none",
         holder=Holder(name=lease_id, pid=holder, start_time=started), gpus=[LeasedGpu(0, "GPU-0", MIB, 1)], exclusive=False,
         cpu_cores=0, memory=0, labels={}, token_hash="", requested_at=0.0, granted_at=0.0, expires_at=60.0, ttl=60.0,
-        pgids=list(pgids),
+        pgids=list(pgids), pgid_started=list(pgid_started),
     )  # fmt: skip
 
 
@@ -54,6 +63,16 @@ def test_a_process_that_reuses_a_holders_pid_is_not_its_lease_s() -> None:
     assert owner(of, GpuProcess(100, "same", MIB, pgid=100, ancestors=(1,), started=(1000.0, 0.0))) == "l-old"
     assert owner(of, GpuProcess(100, "reused", MIB, pgid=100, ancestors=(1,), started=(2000.0, 0.0))) is None
     assert owner(of, GpuProcess(101, "child of reused", MIB, pgid=101, ancestors=(100, 1), started=(2001.0, 2000.0, 0.0))) is None
+
+
+def test_a_group_whose_leader_started_after_it_was_registered_is_another_with_its_id_and_no_lease_s() -> None:
+    """A group's id is its leader's pid, reused once the whole group is gone: the later group's memory was the lease's."""
+    of = owners(lease("l-group", None, pgids=(500, 600), pgid_started=(1000.0,)))  # 600: stored by an earlier version
+    member = GpuProcess(501, "work", MIB, pgid=500, ancestors=(1,), started=(1001.0, 0.0), leader_started=1000.0)
+    assert owner(of, member) == "l-group"
+    assert owner(of, replace(member, leader_started=None)) == "l-group"  # its leader alone exited: the group lives on
+    assert owner(of, replace(member, leader_started=2000.0)) is None
+    assert owner(of, replace(member, pgid=600, leader_started=2000.0)) == "l-group"  # by its id alone, as before
 
 
 def test_the_first_held_of_two_as_near_owns_a_process_whatever_order_a_restarted_broker_holds_them_in() -> None:

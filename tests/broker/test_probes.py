@@ -141,5 +141,5 @@ def test_a_step_of_the_wall_clock_leaves_a_process_the_one_it_was(monkeypatch: p
     booted = psutil.boot_time()
     monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: booted + 3600)
     assert holders.is_same_process(os.getpid(), before)  # a caller-bound lease's holder is not said to have exited
-    name, pgid, ancestors, started = describe_process(os.getpid())
-    assert GpuProcess(os.getpid(), name, GIB, pgid, ancestors, started).same_as(0, before)  # its memory stays its lease's
+    name, pgid, ancestors, started, leader = describe_process(os.getpid())
+    assert GpuProcess(os.getpid(), name, GIB, pgid, ancestors, started, leader).same_as(0, before)  # its memory stays its lease's

@@ -18,7 +18,7 @@ import pytest
 from fakes import GIB, FakeClock, FakeGpuProbe
 
 from gpubroker.broker import holders
-from gpubroker.broker.probes import GpuProcess, UnreadableGpu
+from gpubroker.broker.probes import GpuProcess, UnreadableGpu, describe_process
 from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
@@ -998,13 +998,74 @@ def test_a_group_is_signalled_only_while_it_is_all_the_uid_s_that_owned_it_when_
     """A group id is reused once its group is gone: a group of anyone but its registered owner is left alone."""
     work = subprocess.Popen(["sleep", "30"], process_group=0)
     try:
-        assert holders.signalable_groups([work.pid], [os.getuid()]) == [work.pid]
-        assert holders.signalable_groups([work.pid], [os.getuid() + 1]) == []
-        assert holders.signalable_groups([os.getpgrp()], [os.getuid()]) == []  # never the broker's own
+        assert holders.signalable_groups([work.pid], [os.getuid()], []) == [work.pid]
+        assert holders.signalable_groups([work.pid], [os.getuid() + 1], []) == []
+        assert holders.signalable_groups([os.getpgrp()], [os.getuid()], []) == []  # never the broker's own
     finally:
         work.kill()
         work.wait()
-    assert holders.signalable_groups([work.pid], [os.getuid()]) == []  # gone
+    assert holders.signalable_groups([work.pid], [os.getuid()], []) == []  # gone
+
+
+def test_a_group_with_the_id_of_one_that_ended_is_not_signalled_and_one_whose_leader_alone_exited_is() -> None:
+    """A group's id is its leader's pid, reused once the whole group is gone: a later group with it, even of the same
+    uid, is left alone. A group whose leader exited while others of it live on is still the group registered."""
+    work = subprocess.Popen(["sleep", "30"], process_group=0)
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & read line"], process_group=0, stdin=subprocess.PIPE)
+    try:
+        registered = holders.group_started(work.pid)
+        assert registered == holders.start_time(work.pid)
+        assert holders.signalable_groups([work.pid], [os.getuid()], [registered]) == [work.pid]
+        # No test can have the kernel reuse a pid: this live group stands in for a later one, the registered group's
+        # leader having started 5 s before its own did.
+        assert holders.signalable_groups([work.pid], [os.getuid()], [registered - 5]) == []
+        assert holders.signalable_groups([work.pid], [os.getuid()], [None]) == [work.pid]  # an earlier version's: by id
+        led = holders.group_started(shell.pid)
+        assert shell.stdin is not None
+        shell.stdin.close()
+        shell.wait()  # its leader gone, the sleep it left in the background keeps the group and its id
+        assert holders.start_time(shell.pid) is None
+        assert holders.signalable_groups([shell.pid], [os.getuid()], [led]) == [shell.pid]
+        assert holders.signalable_groups([shell.pid], [os.getuid()], [holders.group_started(shell.pid)]) == [shell.pid]
+    finally:
+        work.kill()
+        work.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+
+
+async def test_a_group_with_the_id_of_a_registered_one_is_neither_the_lease_s_memory_nor_stopped_when_it_ends(
+    make_node: Callable[..., Any],
+) -> None:
+    """Once a registered group is gone, its id may be a later, unrelated group's: that group's GPU memory was the
+    lease's, not external, and the lease's end signalled it."""
+    node = await make_node()
+    lease, token = await node.ask(gpu_memory="2GiB")  # over TCP: its holder is no process, these are no descendants of it
+    owner = Caller("unix", uid=os.getuid(), pid=None)
+    leader = subprocess.Popen(["sleep", "30"], process_group=0)
+    member = subprocess.Popen(["sleep", "30"], process_group=leader.pid)  # of the group, not below its leader
+    try:
+        await node.broker.register_group(lease["id"], owner, token, leader.pid)
+        name, pgid, ancestors, started, led = describe_process(member.pid)
+        assert (pgid, led) == (leader.pid, holders.start_time(leader.pid))
+        node.probe.processes[0] = [GpuProcess(member.pid, name, GIB, pgid, ancestors, started, led)]
+        await node.sample()
+        assert [p["lease"] for p in node.gpu()["processes"]] == [lease["id"]]
+        # No test can have the kernel reuse a pid: this live group stands in for a later one, the group registered
+        # having been led by a process that started 5 s before this one's leader did.
+        node.broker.leases[lease["id"]].pgid_started[0] -= 5
+        await node.sample()
+        gpu = node.gpu()
+        assert ([p["lease"] for p in gpu["processes"]], gpu["figures"]["external"]) == ([None], GIB)
+        await node.broker.release(lease["id"], owner, token)
+        await settle()
+        assert (leader.poll(), member.poll()) == (None, None)
+        assert await node.events("lease.work_stopped") == []
+    finally:
+        for process in (leader, member):
+            process.kill()
+            process.wait()
 
 
 async def test_groups_a_store_holds_are_kept_at_start_only_if_still_as_they_were_registered(make_node: Callable[..., Any]) -> None:
@@ -1319,27 +1380,37 @@ async def test_a_holder_that_died_while_the_broker_was_down_is_released_on_start
     assert "exited while the broker was down" in ended["reason"]
 
 
-async def test_a_step_of_the_wall_clock_between_two_runs_leaves_a_living_holder_its_lease(
+async def test_a_step_of_the_wall_clock_between_two_runs_leaves_a_living_holder_its_lease_and_its_groups(
     make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Start times are the kernel's ticks since boot plus the boot time read at the broker's start, which NTP setting the
     clock moves: a broker started again after such a step took every caller-bound holder for gone, released its lease
-    and stopped its work."""
+    and stopped its work, and would take every registered group for a later one with its id."""
     node = await make_node()
-    lease, _ = await node.ask(ME, gpu_memory="2GiB", bind="caller")
-    held = node.broker.leases[lease["id"]].holder.start_time
-    assert held is not None
-    await node.broker.close()
-    booted = holders._BOOTED
-    monkeypatch.setattr(holders, "_BOOTED", booted + 3600)  # the clock was set an hour on between the two runs
-    await node.start()
-    assert node.broker.get(lease["id"])["state"] == "granted"
-    assert node.broker.leases[lease["id"]].holder.start_time == held + 3600
-    await node.broker.close()
-    monkeypatch.setattr(holders, "_BOOTED", booted)  # and back: the moved time was kept, with the clock it is on
-    await node.start()
-    assert node.broker.get(lease["id"])["state"] == "granted"
-    assert node.broker.leases[lease["id"]].holder.start_time == held
+    lease, token = await node.ask(ME, gpu_memory="2GiB", bind="caller")
+    work = subprocess.Popen(["sleep", "30"], process_group=0)
+    try:
+        await node.broker.register_group(lease["id"], ME, token, work.pid)
+        held = node.broker.leases[lease["id"]].holder.start_time
+        (led,) = node.broker.leases[lease["id"]].pgid_started
+        assert held is not None
+        assert led is not None
+        await node.broker.close()
+        booted = holders._BOOTED
+        monkeypatch.setattr(holders, "_BOOTED", booted + 3600)  # the clock was set an hour on between the two runs
+        await node.start()
+        assert node.broker.get(lease["id"])["state"] == "granted"
+        assert node.broker.leases[lease["id"]].holder.start_time == held + 3600
+        assert (node.broker.leases[lease["id"]].pgids, node.broker.leases[lease["id"]].pgid_started) == ([work.pid], [led + 3600])
+        await node.broker.close()
+        monkeypatch.setattr(holders, "_BOOTED", booted)  # and back: the moved time was kept, with the clock it is on
+        await node.start()
+        assert node.broker.get(lease["id"])["state"] == "granted"
+        assert node.broker.leases[lease["id"]].holder.start_time == held
+        assert (node.broker.leases[lease["id"]].pgids, node.broker.leases[lease["id"]].pgid_started) == ([work.pid], [led])
+    finally:
+        work.kill()
+        work.wait()
 
 
 async def test_a_lease_keeps_its_time_left_across_a_restart_whatever_steps_of_the_wall_clock_came_before_or_after_its_grant(
