@@ -182,6 +182,7 @@ class RefusalBudget:
 
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BrokerError)
 
 
 async def _in_daemon_thread(function: Callable[[], T]) -> T:
@@ -426,7 +427,7 @@ class Broker:
         stopping = [w for w in self.waiters if w.lease is None and not w.granted.done()]
         self.waiters[:] = [w for w in self.waiters if w not in stopping]  # none is granted in the room of another
         for waiter in stopping:
-            waiter.granted.set_exception(self._refused(waiter.request, self._stopping_refusal(waiter.id)))
+            waiter.granted.set_exception(self._refused(waiter.request, self._stopping_refusal(waiter.id), waited=waiter.id))
             waiter.granted.exception()  # retrieved: the waiting handler answers with it
 
     def _stopping_refusal(self, request_id: str) -> Refusal:
@@ -912,13 +913,15 @@ class Broker:
             and "unreadable" not in decision.details
         )
 
-    def _refused(self, request: LeaseRequest, refusal: Refusal) -> Refusal:
+    def _refused(self, request: LeaseRequest, refusal: E, waited: str | None = None) -> E:
+        """Keep a refusal as a `lease.refused` event, within the refusal budget. That of a request that waited (`waited`,
+        its id) names it and is always kept, as its `lease.queued` was: it ends that request's story, one per wait."""
         details = refusal.details
         refusal.recorded = True
-        kept = self.refusals.keep({**details, "priority": request.priority})
+        kept = {**details, "priority": request.priority} if waited else self.refusals.keep({**details, "priority": request.priority})
         if kept is not None:
             gpu = details.get("gpu") if isinstance(details.get("gpu"), str) else None
-            self._record(self._event("lease.refused", refusal.message, code=refusal.code, gpu=gpu, details=kept))
+            self._record(self._event("lease.refused", refusal.message, code=refusal.code, lease=waited, gpu=gpu, details=kept))
         return refusal
 
     def _grant(self, waiter: Waiter, placement: Placement) -> tuple[Lease, str, list[Write]]:
@@ -1061,7 +1064,7 @@ class Broker:
                     f"not granted within {request.wait:g}s: {waiter.reason}",
                     {**why, "wait": request.wait},
                 )
-            raise self._refused(request, refusal) from None
+            raise self._refused(request, refusal, waited=waiter.id) from None
         except asyncio.CancelledError:
             if waiter.lease is None:
                 self._drop_waiter(waiter)
@@ -1100,8 +1103,8 @@ class Broker:
             self.waiters.remove(waiter)
             try:
                 lease, token, writes = self._grant(waiter, decision)
-            except BrokerError as error:
-                waiter.granted.set_exception(error)
+            except BrokerError as error:  # its holder exited meanwhile
+                waiter.granted.set_exception(self._refused(waiter.request, error, waited=waiter.id))
                 continue
             # Handed to the writer now, not a turn of the loop later: events reach the disk in the order of their
             # seqs, so a follower reading after=N never passes over one still on its way.
@@ -1113,7 +1116,7 @@ class Broker:
         except BrokerError as error:
             self._rollback(lease)
             if not waiter.granted.done():
-                waiter.granted.set_exception(error)
+                waiter.granted.set_exception(self._refused(waiter.request, error, waited=waiter.id))
             return
         self._budgets_soon()
         if not waiter.granted.done():

@@ -1820,6 +1820,31 @@ async def test_once_stopping_a_request_that_would_wait_is_answered_at_once_not_q
     assert lease["state"] == "granted"
 
 
+async def test_the_refusal_that_ends_a_wait_names_the_request_and_is_kept_whatever_the_refusal_budget(
+    make_node: Callable[..., Any],
+) -> None:
+    """A wait that runs out, and one a clean stop (SIGTERM) ends, each end with a `lease.refused` naming the request,
+    kept even when refusals are not (a flood of bad requests spent their budget): its `lease.queued` was kept."""
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    node.broker.refusals.tokens = 0  # the clock the test moves never fills it again
+    timed_out = await node.refused(gpu_memory="10GiB", wait="10ms")
+    assert timed_out.code is FailureCode.LEASE_TIMEOUT
+    waiting = asyncio.create_task(node.ask(gpu_memory="10GiB", wait="1h"))
+    await settle()
+    (queued,) = node.broker.list_leases("queued", 10)
+    await node.restart()  # close() refuses the waiting request as SIGTERM does
+    with pytest.raises(BrokerError) as stopped:
+        await waiting
+    assert (stopped.value.code, stopped.value.details["stopping"]) == (FailureCode.LEASE_TIMEOUT, True)
+    events = await node.events()
+    waits = [e["lease"] for e in events if e["type"] == "lease.queued"]
+    assert waits[1] == queued["id"]
+    ends = [(e["type"], e.get("code"), e["lease"]) for e in events if e.get("lease") in waits and e["type"] != "lease.queued"]
+    assert ends == [("lease.refused", "LEASE_TIMEOUT", waits[0]), ("lease.refused", "LEASE_TIMEOUT", waits[1])]
+    assert "is stopping" in events[-2]["message"]
+
+
 async def test_several_gpus_too_large_for_all_but_some_readable_ones_name_the_gpu_that_decides(make_node: Callable[..., Any]) -> None:
     """With a card that cannot be read, the one named is still the one that decides, and not called the largest."""
     node = await make_node([24 * GIB, 12 * GIB, 40 * GIB, 40 * GIB])
