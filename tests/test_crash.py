@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import BrokerProcess
+from conftest import BrokerProcess, wait_for
 
 from gpubroker.client import Client, ClientError
 
@@ -280,3 +280,47 @@ def test_kill_9_in_a_storm_keeps_every_answered_grant_and_revives_no_answered_re
 @pytest.mark.slow
 def test_twenty_kill_9_storms_on_one_state_directory_keep_every_answer(broker_process: type[BrokerProcess]) -> None:
     survive_storms(broker_process, rounds=20, seed=2)
+
+
+def test_a_request_waiting_at_kill_9_is_said_cancelled_by_the_restarted_broker(broker_process: type[BrokerProcess]) -> None:
+    """A waiting request lives in the broker's memory alone: killed with -9, the broker took it and its requester's
+    connection with it, and its events said `lease.queued` and then nothing, as if it still waited. Started again, the
+    broker says it cancelled; a wait that had already ended (refused at the end of its wait) is not ended twice."""
+    broker = broker_process("1x24GiB").start()
+    client = broker.client()
+    client.call("POST", "/v1/leases", {"gpu_memory": "20GiB", "bind": "none", "ttl": "1h"})
+    with pytest.raises(ClientError, match="not granted within 0.05s"):
+        client.call("POST", "/v1/leases", {"gpu_memory": "10GiB", "bind": "none", "wait": "50ms"})
+    answered: list[Exception | None] = []
+
+    def wait_long() -> None:
+        try:
+            call(client, "POST", "/v1/leases", {"gpu_memory": "10GiB", "bind": "none", "wait": "1h"})
+            answered.append(None)
+        except Exception as error:
+            answered.append(error)
+
+    waiting = threading.Thread(target=wait_long)
+    waiting.start()
+    wait_for(lambda: len(client.call("GET", "/v1/leases", query={"state": "queued"})["leases"]) == 1)
+    (queued,) = client.call("GET", "/v1/leases", query={"state": "queued"})["leases"]
+
+    def kept() -> list[str]:
+        return [e["lease"] for e in client.call("GET", "/v1/events")["events"] if e["type"] == "lease.queued"]
+
+    wait_for(lambda: queued["id"] in kept())  # on disk: a wait whose lease.queued never was has no story to end
+    broker.kill()
+    waiting.join(10)
+    assert [type(error) for error in answered] == [Unanswered]
+    broker.start()
+
+    assert client.call("GET", "/v1/leases", query={"state": "queued"})["leases"] == []
+    events = client.call("GET", "/v1/events")["events"]
+    timed_out = next(e["lease"] for e in events if e["type"] == "lease.queued" and e["lease"] != queued["id"])
+    ends = [(e["type"], e["lease"]) for e in events if e.get("lease") in (queued["id"], timed_out) and e["type"] != "lease.queued"]
+    assert ends == [("lease.refused", timed_out), ("lease.cancelled", queued["id"])]
+    cancelled, started = events[-2:]
+    assert (cancelled["type"], cancelled["details"]["broker_stopped"]) == ("lease.cancelled", True)
+    assert f"request {queued['id']} cancelled: the broker stopped while it waited" in cancelled["message"]
+    assert (started["type"], started["details"]["waits_cancelled"]) == ("broker.started", 1)
+    assert started["message"].endswith("started with 1 live lease; 1 request that waited when it stopped is cancelled")

@@ -260,7 +260,8 @@ class Broker:
     # ----- start and stop -------------------------------------------------
 
     async def start(self) -> None:
-        """Load the store, take a first reading, and reconcile leases whose holders died meanwhile."""
+        """Load the store, take a first reading, reconcile leases whose holders died meanwhile, and say cancelled the
+        requests that waited when the broker last stopped unannounced."""
         loaded = self.store.load()
         try:
             self.node_id = self._given_id or loaded.meta.get("node_id") or f"n-{secrets.token_hex(6)}"
@@ -272,6 +273,7 @@ class Broker:
             live = [Lease.from_record(record) for record in loaded.leases]
         except (TypeError, KeyError, ValueError, AttributeError, struct.error) as error:  # a value that unpacks, but is no record of ours
             raise StoreDamaged(self.store.damaged(f"a stored record cannot be read: {type(error).__name__}: {error}")) from None
+        cut_short = self._waits_cut_short()
         unknown = set().union(*(unknown_fields(record) for record in (*loaded.leases, *loaded.ended)))
         if unknown:  # a newer gpubroker wrote them (this one was rolled back): what it does not know, it will not keep
             log_line(
@@ -318,18 +320,54 @@ class Broker:
                     writes += self._end(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
         for lease in restop:
             self._spawn(self._stop_work(lease))
-        writes.append(
-            self._event(
-                "broker.started",
-                f"broker {self.config.name} started with {len(self.leases)} live lease{'' if len(self.leases) == 1 else 's'}",
-                details={"version": __version__},
+        for request_id, queued_at in cut_short:
+            writes.append(
+                self._event(
+                    "lease.cancelled",
+                    f"request {request_id} cancelled: the broker stopped while it waited (since {queued_at}), cutting its "
+                    "client's connection",
+                    lease=request_id,
+                    details={"broker_stopped": True, "queued_at": queued_at},
+                )
             )
-        )
+        said = f"broker {self.config.name} started with {len(self.leases)} live lease{'' if len(self.leases) == 1 else 's'}"
+        if cut_short:
+            one = len(cut_short) == 1
+            said += f"; {len(cut_short)} request{'' if one else 's'} that waited when it stopped {'is' if one else 'are'} cancelled"
+        writes.append(self._event("broker.started", said, details={"version": __version__, "waits_cancelled": len(cut_short)}))
         try:
             await self.store.commit(writes)
         except StoreFull as full:  # it still serves what it holds, and says why every change is refused
             self.start_warning = full.message
         await self.sample()
+
+    def _waits_cut_short(self) -> list[tuple[str, str]]:
+        """The ids and queueing times of the requests that still waited when the broker last stopped without answering
+        them (kill -9, a power loss), oldest first: those since its last start with no event of their end after them
+        (granted, refused, cancelled). Waiting requests live in memory alone; their requesters' connections were cut
+        when it stopped. Read from the kept events, newest first, back to the last `broker.started`: no write per
+        wait. A request whose `lease.queued` is no longer kept (events_kept) is not found, and nothing says it waited."""
+        ended: set[str] = set()
+        cut: list[tuple[str, str]] = []
+        for event in self.store.events_newest_first():
+            type_ = event.get("type")
+            if type_ == "broker.started":
+                break
+            if not isinstance(type_, str) or not type_.startswith("lease."):
+                continue
+            lease = event.get("lease")
+            details = event.get("details")
+            if lease is None and type_ == "lease.refused" and isinstance(details, dict):
+                lease = details.get("lease")  # an older broker's refusal of a waiting request as it stopped
+            if not isinstance(lease, str):
+                continue
+            if type_ != "lease.queued":
+                ended.add(lease)
+            elif lease not in ended:
+                at = event["time"]  # older stores hold the RFC 3339 form already
+                cut.append((lease, at if isinstance(at, str) else rfc3339(at)))
+        cut.reverse()
+        return cut
 
     def _onto_this_boot_clock(self, stored: Any, deadlines: dict[str, float | None]) -> list[Write]:
         """The live leases' times moved onto this run's clocks, and this run's clock kept for the next.

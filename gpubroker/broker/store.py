@@ -15,7 +15,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,6 +167,18 @@ class Store:
                 if len(out) >= limit:
                     break
         return out
+
+    def events_newest_first(self) -> Iterator[dict[str, Any]]:
+        """Every kept event, newest first, read in one transaction as they are asked for (a reader may stop early);
+        StoreDamaged when one cannot be read."""
+        try:
+            with self._env.begin() as txn:
+                cursor = txn.cursor(self._db["events"])
+                if cursor.last():
+                    for _, value in cursor.iterprev():
+                        yield msgpack.unpackb(value)
+        except (*_DAMAGE, ValueError, msgpack.UnpackException) as error:
+            raise StoreDamaged(self.damaged(f"{type(error).__name__}: {error}")) from None
 
     def oldest_event(self) -> int | None:
         """The seq of the oldest event kept; None when none is."""

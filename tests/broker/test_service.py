@@ -1843,6 +1843,7 @@ async def test_the_refusal_that_ends_a_wait_names_the_request_and_is_kept_whatev
     ends = [(e["type"], e.get("code"), e["lease"]) for e in events if e.get("lease") in waits and e["type"] != "lease.queued"]
     assert ends == [("lease.refused", "LEASE_TIMEOUT", waits[0]), ("lease.refused", "LEASE_TIMEOUT", waits[1])]
     assert "is stopping" in events[-2]["message"]
+    assert (events[-1]["type"], events[-1]["details"]["waits_cancelled"]) == ("broker.started", 0)  # none is cut short
 
 
 async def test_several_gpus_too_large_for_all_but_some_readable_ones_name_the_gpu_that_decides(make_node: Callable[..., Any]) -> None:
