@@ -135,7 +135,9 @@ def place(
     large_enough = [b for b in usable if request.gpu_memory <= b.figures.total - b.figures.reserve]
     if len(large_enough) < request.gpus:  # it cannot fit even on an empty GPU: waiting would never end
         largest = max(usable, key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index))
-        asked = "the whole GPU" if request.exclusive else f"{gib(request.gpu_memory)} GiB"
+        asked = f"{gib(request.gpu_memory)} GiB"
+        if request.exclusive:  # refused for the bytes it names at least, which no GPU here has
+            asked = f"the whole GPU with at least {asked}" if request.gpu_memory else "the whole GPU"
         # Pinned, the one GPU asked for is named as such, not as "the largest here" when a larger one may be here.
         here = "that can be read" if unread else "here"
         which = f"the GPU pinned, {largest.label()}" if request.gpu is not None else f"the largest {here}, {largest.label()}"
@@ -156,7 +158,7 @@ def place(
             f"{asked} asked for on {request.gpus} GPU{'s' if request.gpus > 1 else ''}; "
             f"{which}, can lease {f'at most {gib(most)} GiB' if most > 0 else 'nothing'} "
             f"(its total less the {gib(largest.figures.reserve)} GiB reserve)"
-            f"{'' if request.exclusive else short_by(request.gpu_memory, most, 'it can lease')}",
+            f"{short_by(request.gpu_memory, most, 'it can lease')}",
             {"need": request.gpu_memory, "need_gpus": request.gpus, **_figures(largest)},
         )
     fresh = [b for b in usable if now - b.reading.observed_at <= staleness]

@@ -204,6 +204,17 @@ async def test_several_gpus_too_large_for_all_but_some_name_the_gpu_that_decides
     assert error.details["index"] == 0
 
 
+async def test_an_exclusive_request_larger_than_any_gpu_names_the_bytes_it_asked_for(make_node: Callable[..., Any]) -> None:
+    node = await make_node([24 * GIB])
+    error = await node.refused(exclusive=True, gpu_memory="30GiB")
+    assert error.code is FailureCode.CAPABILITY_UNAVAILABLE
+    assert error.message == (
+        "the whole GPU with at least 30.0 GiB asked for on 1 GPU; the largest here, GPU 0 (RTX 4090, 24.0 GiB), "
+        "can lease at most 23.0 GiB (its total less the 1.0 GiB reserve)"
+    )
+    assert error.details["need"] == 30 * GIB
+
+
 async def test_a_gpu_pinned_by_its_index_as_a_string_is_that_gpu(make_node: Callable[..., Any]) -> None:
     node = await make_node(sizes=[24 * GIB, 24 * GIB])
     lease, _ = await node.ask(gpu_memory="1GiB", gpu="1")
