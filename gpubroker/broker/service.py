@@ -838,6 +838,12 @@ class Broker:
         # being taken for it. A Unix caller's was read with its connection, not on every request.
         if holder.pid is not None and holder.start_time is None:
             holder.start_time = holders.start_time(holder.pid)
+        if bind == "caller" and holder.pid is not None and holder.start_time is None and caller.transport != "unix":
+            raise InvalidRequest(
+                f"holder.pid {holder.pid} is not a running process, and bind: caller ties the lease to it: give the pid of "
+                "a living process that holds the lease, or bind: none",
+                {"field": "holder.pid"},
+            )
         if bind == "caller" and (holder.pid is None or holder.start_time is None):
             raise InvalidRequest(
                 "bind: caller needs a living holder process: call on the Unix socket, or give holder.pid", {"field": "bind"}

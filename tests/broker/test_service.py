@@ -1792,6 +1792,17 @@ async def test_a_holder_pid_naming_the_broker_or_its_ancestors_is_refused(make_n
     assert node.broker.list_leases(None, 10) == []
 
 
+async def test_a_caller_bound_request_for_a_holder_pid_that_is_not_running_names_that_pid(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    error = await node.refused(gpu_memory="1GiB", bind="caller", holder={"pid": gone.pid})
+    assert (error.code, error.details) == (FailureCode.INVALID_REQUEST, {"field": "holder.pid"})
+    assert error.message.startswith(f"holder.pid {gone.pid} is not a running process, and bind: caller ties the lease to it")
+    error = await node.refused(gpu_memory="1GiB", bind="caller")  # no pid at all
+    assert (error.code, error.details) == (FailureCode.INVALID_REQUEST, {"field": "bind"})
+
+
 async def test_a_stale_reading_is_shown_as_stale_and_a_wait_that_ends_on_it_says_its_age_then(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     assert (node.gpu()["stale"], node.gpu()["age"], node.broker.stale) == (False, 0.0, False)
