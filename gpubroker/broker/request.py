@@ -148,14 +148,19 @@ def parse_request(body: Any) -> LeaseRequest:
     holder = body.get("holder")
     holder_name = holder_pid = None
     if holder is not None:
-        if not isinstance(holder, dict) or set(holder) - {"name", "pid"}:
+        if not isinstance(holder, dict):
             raise _invalid("holder", "must be an object with name and optional pid")
+        if unknown := sorted(set(holder) - {"name", "pid"}):  # a lease's holder has a uid too: the kernel's word, not the caller's
+            raise InvalidRequest(
+                f"unknown field {'holder.' + unknown[0]!r}; a request's holder has: name, pid (a uid is the kernel's to say, on the Unix socket)",
+                {"field": f"holder.{unknown[0]}"},
+            )
         if "name" in holder:
             holder_name = _text(holder["name"], "holder.name")
         if "pid" in holder:
             holder_pid = holder["pid"]
             if isinstance(holder_pid, bool) or not isinstance(holder_pid, int) or not 0 < holder_pid <= MAX_PID:
-                raise _invalid("holder.pid", "must be a process id")
+                raise _invalid("holder.pid", f"must be a process id, an integer from 1 to {MAX_PID}")
     labels = body.get("labels")
     if labels is None:
         labels = {}

@@ -118,8 +118,10 @@ def problems(body: dict[str, Any]) -> set[str]:
         except UnitError:
             found.add("deadline")
     holder = body.get("holder", {})
-    if not isinstance(holder, dict) or set(holder) - {"name", "pid"}:
+    if not isinstance(holder, dict):
         found.add("holder")
+    elif set(holder) - {"name", "pid"}:
+        found |= {f"holder.{key}" for key in set(holder) - {"name", "pid"}}
     else:
         if "name" in holder and not _text(holder["name"]):
             found.add("holder.name")
@@ -315,6 +317,17 @@ def test_an_unknown_field_is_refused_by_name(key: str) -> None:
     error = _refusal({"cpu_cores": 1, key: 1})
     assert error is not None
     assert _named(error) == key
+
+
+def test_an_unknown_field_of_the_holder_is_refused_by_name_with_the_fields_it_may_have() -> None:
+    """A lease's holder has a uid: a request copied from a lease's answer is told which field to drop."""
+    error = _refusal({"cpu_cores": 1, "holder": {"name": "train", "uid": 1000, "pid": 4242}})
+    assert error is not None
+    assert _named(error) == "holder.uid"
+    assert error.message.startswith("unknown field 'holder.uid'; a request's holder has: name, pid")
+    error = _refusal({"cpu_cores": 1, "holder": {"pid": 0}})
+    assert error is not None
+    assert error.message == "holder.pid: must be a process id, an integer from 1 to 4194303"
 
 
 # ----- bugs found here: each fails today ------------------------------------------------------
