@@ -75,7 +75,7 @@ OPENAPI: dict[str, Any] = {
                         {
                             "type": "object",
                             "required": ["leases"],
-                            "properties": {"leases": {"type": "array", "items": {"type": "object"}}},
+                            "properties": {"leases": {"type": "array", "items": _ref("Lease")}},
                         },
                         "leases",
                     ),
@@ -100,6 +100,10 @@ OPENAPI: dict[str, Any] = {
         "/v1/leases/{id}/renew": {
             "post": {
                 "operationId": "renewLease",
+                "summary": (
+                    "extend a granted lease: it now expires `ttl` from now, the ttl given here (which the lease keeps for its "
+                    "next renewals, shorter or longer) or else its own (its Unix user, root, or its token)"
+                ),
                 "parameters": [_ID, _TOKEN],
                 "requestBody": {
                     "required": False,
@@ -376,8 +380,24 @@ OPENAPI: dict[str, Any] = {
                     },
                     "env": {"type": "object", "additionalProperties": {"type": "string"}},
                     "token": {"type": "string", "description": "only in the answer to the request that was granted"},
+                    "exclusive": {"type": "boolean"},
+                    "cpu_cores": {"type": "integer", "minimum": 0},
+                    "memory": {"type": "integer", "minimum": 0, "description": "bytes of host memory"},
+                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "granted_at": {"type": "string", "format": "date-time", "nullable": True},
                     "expires_at": {"type": "string", "format": "date-time", "nullable": True},
-                    "reason": {"type": "string", "nullable": True},
+                    "ttl": {"type": "number", "description": "seconds; a renewal without a ttl extends the lease by this from then"},
+                    "process_groups": {"type": "array", "items": {"type": "integer"}, "description": "registered process groups"},
+                    "ended_at": {"type": "string", "format": "date-time", "description": "once released, expired or revoked"},
+                    "reason": {"type": "string", "nullable": True, "description": "why it ended; for a waiting request, why it waits"},
+                    "position": {"type": "integer", "minimum": 1, "description": "a waiting request's place in its class's queue"},
+                    "waiting_behind": {
+                        "type": "array",
+                        "items": {"type": "string"},
+                        "description": "the waiting requests ahead that hold a waiting request's GPUs back",
+                    },
+                    "queued_at": {"type": "string", "format": "date-time", "description": "when a waiting request began to wait"},
+                    "request": {"type": "object", "description": "what a waiting request asks for, sizes in bytes"},
                 },
             },
             "Figures": {

@@ -103,6 +103,15 @@ def contract_errors(method: str, path: str, status: int, content_type: str, body
     return [f"{what}: {problem}" for problem in schema_errors(response["content"][media]["schema"], json.loads(body))]
 
 
+def undeclared_lease_fields(body: Any) -> list[str]:
+    """The fields of the leases an answer carries that the document's Lease does not describe: a client made from the
+    document would know nothing of them (a lease may gain fields, but each is described)."""
+    declared = OPENAPI["components"]["schemas"]["Lease"]["properties"]
+    leases = [body["lease"]] if isinstance(body, dict) and isinstance(body.get("lease"), dict) else []
+    leases += body.get("leases", []) if isinstance(body, dict) and isinstance(body.get("leases"), list) else []
+    return sorted({f"Lease.{name} is not described" for lease in leases for name in lease if name not in declared})
+
+
 class Api:
     """A broker over TCP whose every answer is checked against the document as it comes."""
 
@@ -115,6 +124,8 @@ class Api:
     def __call__(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None) -> requests.Response:
         answer = self.session.request(method, self.url + path, json=body, headers=headers, timeout=15)
         self.broken += contract_errors(method, path, answer.status_code, answer.headers.get("Content-Type", ""), answer.content)
+        if answer.headers.get("Content-Type", "").startswith("application/json"):
+            self.broken += undeclared_lease_fields(answer.json())
         self.answered.add((method, operation(method, path.partition("?")[0])[0], answer.status_code))
         return answer
 
