@@ -418,7 +418,37 @@ OPENAPI: dict[str, Any] = {
                         "items": {
                             "type": "object",
                             "required": ["index", "uuid", "name", "observed_at", "figures", "processes"],
-                            "properties": {"figures": _ref("Figures")},
+                            "properties": {
+                                "index": {"type": "integer", "minimum": 0},
+                                "uuid": {"type": "string"},
+                                "name": {"type": "string"},
+                                "observed_at": {"type": "string", "format": "date-time", "description": "when it was last read"},
+                                "figures": _ref("Figures"),
+                                "unattributed": {
+                                    "type": "integer",
+                                    "minimum": 0,
+                                    "description": "bytes of `external` that no process the driver lists explains",
+                                },
+                                "pressure": {
+                                    "type": "boolean",
+                                    "description": "external usage has grown into leased or reserved memory (EXTERNAL_GPU_PRESSURE)",
+                                },
+                                "processes": {
+                                    "type": "array",
+                                    "description": "what uses it: pid, name, bytes, and the lease it counts for (null: external)",
+                                    "items": {"type": "object"},
+                                },
+                                "leases": {
+                                    "type": "array",
+                                    "description": "the live leases on it: id, holder, bytes declared here and used by their processes",
+                                    "items": {"type": "object"},
+                                },
+                                "age": {"type": "number", "minimum": 0, "description": "seconds since it was read"},
+                                "stale": {
+                                    "type": "boolean",
+                                    "description": "its reading is older than `staleness`: no decision is made on it",
+                                },
+                            },
                         },
                     },
                     "driver_error": {"type": "string", "nullable": True, "description": "why no GPU can be read"},
@@ -450,8 +480,13 @@ OPENAPI: dict[str, Any] = {
                             },
                         },
                     },
-                    "cpu": {"type": "object"},
-                    "memory": {"type": "object"},
+                    "cpu": {"type": "object", "description": "cores, leased, schedulable"},
+                    "memory": {"type": "object", "description": "host memory in bytes: total, leased, schedulable"},
+                    "queue": {
+                        "type": "object",
+                        "description": "waiting requests by class",
+                        "additionalProperties": {"type": "integer", "minimum": 0},
+                    },
                 },
             },
             "MissingGpu": {

@@ -103,13 +103,21 @@ def contract_errors(method: str, path: str, status: int, content_type: str, body
     return [f"{what}: {problem}" for problem in schema_errors(response["content"][media]["schema"], json.loads(body))]
 
 
-def undeclared_lease_fields(body: Any) -> list[str]:
-    """The fields of the leases an answer carries that the document's Lease does not describe: a client made from the
-    document would know nothing of them (a lease may gain fields, but each is described)."""
-    declared = OPENAPI["components"]["schemas"]["Lease"]["properties"]
-    leases = [body["lease"]] if isinstance(body, dict) and isinstance(body.get("lease"), dict) else []
-    leases += body.get("leases", []) if isinstance(body, dict) and isinstance(body.get("leases"), list) else []
-    return sorted({f"Lease.{name} is not described" for lease in leases for name in lease if name not in declared})
+def undeclared_fields(path: str, body: Any) -> list[str]:
+    """The fields of the leases an answer carries, or of /v1/node and its GPUs, that the document does not describe: a
+    client made from the document would know nothing of them (an answer may gain fields, but each is described)."""
+    schemas = OPENAPI["components"]["schemas"]
+    if not isinstance(body, dict):
+        return []
+    found: set[str] = set()
+    if path.partition("?")[0] == "/v1/node":
+        found |= {f"Node.{name}" for name in body if name not in schemas["Node"]["properties"]}
+        gpu = schemas["Node"]["properties"]["gpus"]["items"]["properties"]
+        found |= {f"Node.gpus[].{name}" for item in body.get("gpus", []) for name in item if name not in gpu}
+    leases = [body["lease"]] if isinstance(body.get("lease"), dict) else []
+    leases += body.get("leases", []) if isinstance(body.get("leases"), list) else []
+    found |= {f"Lease.{name}" for lease in leases for name in lease if name not in schemas["Lease"]["properties"]}
+    return sorted(f"{name} is not described" for name in found)
 
 
 class Api:
@@ -124,8 +132,8 @@ class Api:
     def __call__(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None) -> requests.Response:
         answer = self.session.request(method, self.url + path, json=body, headers=headers, timeout=15)
         self.broken += contract_errors(method, path, answer.status_code, answer.headers.get("Content-Type", ""), answer.content)
-        if answer.headers.get("Content-Type", "").startswith("application/json"):
-            self.broken += undeclared_lease_fields(answer.json())
+        if answer.ok and answer.headers.get("Content-Type", "").startswith("application/json"):
+            self.broken += undeclared_fields(path, answer.json())
         self.answered.add((method, operation(method, path.partition("?")[0])[0], answer.status_code))
         return answer
 
