@@ -541,7 +541,9 @@ async def add_process_group(request: web.Request) -> web.Response:
     body = await _json_body(request)
     pgid = body.get("pgid") if isinstance(body, dict) else None
     if not isinstance(body, dict) or set(body) != {"pgid"} or isinstance(pgid, bool) or not isinstance(pgid, int) or not 1 < pgid < 2**22:
-        raise InvalidRequest('register a process group as {"pgid": N} with N a process group id', {"field": "pgid"})
+        raise InvalidRequest(
+            f'register a process group as {{"pgid": N}} with N a process group id, an integer from 2 to {2**22 - 1}', {"field": "pgid"}
+        )
     lease = await request.app[BROKER].register_group(request.match_info["id"], _caller(request), _token(request), pgid)
     return web.json_response({"lease": lease.to_json()})
 

@@ -67,6 +67,17 @@ def test_on_tcp_a_lease_lives_by_its_ttl_and_only_its_token_acts_on_it(broker: B
     assert (unknown.value.status, unknown.value.code) == (404, "NOT_FOUND")
 
 
+def test_a_process_group_id_that_cannot_be_one_is_refused_naming_the_range(broker: BrokerProcess) -> None:
+    client = broker.client()
+    lease = client.call("POST", "/v1/leases", {"cpu_cores": 1, "bind": "none"})["lease"]
+    for pgid in (1, 2**22, "4242"):
+        with pytest.raises(ClientError) as refused:
+            client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": pgid})
+        assert (refused.value.status, refused.value.code) == (400, "INVALID_REQUEST")
+        assert refused.value.message == 'register a process group as {"pgid": N} with N a process group id, an integer from 2 to 4194303'
+    client.call("DELETE", f"/v1/leases/{lease['id']}")
+
+
 def test_the_lease_shape_has_every_field_the_api_promises(broker: BrokerProcess) -> None:
     lease = broker.client(tcp=True).call("POST", "/v1/leases", {"gpu_memory": "2GiB", "labels": {"project": "lora"}})["lease"]
     for field in ("id", "state", "epoch", "env", "gpus", "priority", "preemption", "bind", "holder", "token", "expires_at", "granted_at"):
