@@ -19,7 +19,7 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpubroker import __version__
 from gpubroker.broker.probes import ProbeError
@@ -27,6 +27,9 @@ from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
 from gpubroker.gossip.documents import listed_missing
 from gpubroker.units import UnitError, gib, parse_duration, parse_time, printable_text
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 FOREVER = 10 * 365 * 86400
 
@@ -915,8 +918,19 @@ def cmd_self_check(args: argparse.Namespace) -> int:
     return self_check()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but help and --version written to standard output fail as a listing does when they cannot be written:
+    argparse drops the error (and, with standard output closed, writes them to standard error) and exits 0."""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        if message and file is not None and file is sys.stdout:
+            file.write(message)
+        else:
+            super()._print_message(message, file)  # a usage error on standard error: lost where it cannot be written
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="gpubroker", description="Leases on GPU memory, whole GPUs, CPU cores and host memory.")
+    top = _Parser(prog="gpubroker", description="Leases on GPU memory, whole GPUs, CPU cores and host memory.")
     top.add_argument("--version", action="version", version=f"gpubroker {__version__}")
     sub = top.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
 
@@ -1099,18 +1113,34 @@ def _output_needed(args: argparse.Namespace) -> bool:
     return getattr(args, "action", "list") == "list"  # nodes and keys: only their listing
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(_join_signed(sys.argv[1:] if argv is None else argv))
+def _main(argv: list[str]) -> int:
+    try:
+        with _escaped_output():  # --help and --version are output whose reader may be gone too
+            args = parser().parse_args(_join_signed(argv))
+    except SystemExit as done:
+        if done.code:  # a usage error, said on standard error
+            raise
+        _flush_output()  # --help or --version printed
+        return 0
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
         args.command = args.command[1:]
         if not args.command:  # `-- $CMD` with CMD empty: a lease bound to nothing would be printed, as if the work had run
             print("gpubroker lease: error: -- is to be followed by CMD [ARGS]", file=sys.stderr)
             return 2
+    with _escaped_output(output_needed=_output_needed(args)):
+        code: int = args.run(args)
+    _flush_output()
+    return code
+
+
+def _flush_output() -> None:
+    if sys.stdout is not None:
+        sys.stdout.flush()  # a reader gone away is met here, not in the interpreter's exit
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        with _escaped_output(output_needed=_output_needed(args)):
-            code: int = args.run(args)
-        if sys.stdout is not None:
-            sys.stdout.flush()  # a reader gone away is met here, not in the interpreter's exit
+        return _main(sys.argv[1:] if argv is None else argv)
     except ClientError as error:
         with _escaped_output():
             print(f"gpubroker: {error.code}: {error.message}", file=sys.stderr)
@@ -1131,7 +1161,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpubroker: the output could not be written: {error.strerror or error}", file=sys.stderr)
         _drop_output()
         return 1
-    return code
 
 
 def _drop_output() -> None:

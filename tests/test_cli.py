@@ -356,6 +356,24 @@ def test_a_release_with_its_standard_output_closed_is_done_and_exits_0_where_a_l
     assert capsys.readouterr().err == "gpubroker: the output could not be written: standard output is closed\n"
 
 
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["lease", "--help"]], ids=["version", "help", "lease-help"])
+def test_help_and_version_that_cannot_be_written_fail_as_a_listing_does(argv: list[str]) -> None:
+    """argparse drops a failed write: `gpubroker --version >&-` wrote its version to standard error and exited 0, and
+    with a full disk or its reader gone it exited 0 having written nothing. Now a reader gone ends it quietly with 141,
+    and a closed output or a full disk is said in one line, with 1, as for `gpubroker status`."""
+    run = [sys.executable, "-m", "gpubroker", *argv]
+    piped = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert piped.stdout is not None
+    piped.stdout.close()  # the reader gone before a word is written
+    _, stderr = piped.communicate(timeout=30)
+    assert (piped.returncode, stderr) == (141, b"")
+    closed = subprocess.run(run, stderr=subprocess.PIPE, text=True, timeout=30, preexec_fn=lambda: os.close(1))
+    assert (closed.returncode, closed.stderr) == (1, "gpubroker: the output could not be written: standard output is closed\n")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(run, stdout=full, stderr=subprocess.PIPE, text=True, timeout=30)
+    assert (done.returncode, done.stderr) == (1, "gpubroker: the output could not be written: No space left on device\n")
+
+
 def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
     remote = Client(Endpoint("http://10.233.0.2:9740"))
     remote.token = "SECRET-API-TOKEN"
