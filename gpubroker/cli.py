@@ -325,14 +325,26 @@ def cmd_lease(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         except OSError as error:  # nobody got the lease's token: it goes, rather than live out its TTL unknown
             _drop_output()  # what could not be written is said once, here, not again when the exit flushes it
-            with contextlib.suppress(ClientError):
-                client.call(
-                    "DELETE", f"/v1/leases/{lease['id']}", headers={"X-Lease-Token": lease["token"]}, timeout=_patience(float(lease["ttl"]))
+            lost = f"{error.strerror or error}"
+            try:
+                _when_reachable(  # a broker restarting meanwhile is waited for: the lease outlives it otherwise
+                    lambda: client.call(
+                        "DELETE",
+                        f"/v1/leases/{lease['id']}",
+                        headers={"X-Lease-Token": lease["token"]},
+                        timeout=_patience(float(lease["ttl"])),
+                    )
                 )
-            print(
-                f"gpubroker: lease {lease['id']} is released again: it could not be written out ({error.strerror or error})",
-                file=sys.stderr,
-            )
+            except ClientError as failure:
+                if failure.status not in (404, 409):  # ended meanwhile (expired, released by its user): released all the same
+                    print(
+                        f"gpubroker: lease {lease['id']} could not be written out ({lost}), nor released again ({failure.code}: "
+                        f"{failure.message}): it holds what it was granted until it expires at {lease['expires_at']}, unless "
+                        f"`gpubroker release {lease['id']}` ends it first",
+                        file=sys.stderr,
+                    )
+                    return 1
+            print(f"gpubroker: lease {lease['id']} is released again: it could not be written out ({lost})", file=sys.stderr)
             return 1
         return 0
     return _run_under_lease(client, lease, args.command, granted)

@@ -542,20 +542,27 @@ def test_gpubroker_lease_whose_output_cannot_be_written_releases_the_lease_it_go
 ) -> None:
     broker = start_broker(gpubroker, broker_process)
     client = broker.client()
-    for stdout in ("closed", "/dev/full"):
-        with open("/dev/full", "wb") as full:
-            done = subprocess.run(
-                [*gpubroker, "lease", "--cpu-cores", "1"],
-                env=broker.env,
-                stdout=full if stdout == "/dev/full" else None,
-                stderr=subprocess.PIPE,
-                timeout=60,
-                preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None,
-            )
-        said = done.stderr.decode()
-        assert done.returncode == 1, said
-        assert "is released again: it could not be written out" in said, said
-        assert "Traceback" not in said
+    for stdout, why in (("closed", "standard output is closed"), ("/dev/full", "No space left on device"), ("gone", "Broken pipe")):
+        argv = [*gpubroker, "lease", "--cpu-cores", "1"]
+        if stdout == "gone":  # `gpubroker lease --json | head -c 10` with head ended first: not a byte reached it
+            piped = subprocess.Popen([*argv, "--json"], env=broker.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert piped.stdout is not None
+            piped.stdout.close()
+            said = piped.communicate(timeout=60)[1].decode()
+            code = piped.returncode
+        else:
+            with open("/dev/full", "wb") as full:
+                done = subprocess.run(
+                    argv,
+                    env=broker.env,
+                    stdout=full if stdout == "/dev/full" else None,
+                    stderr=subprocess.PIPE,
+                    timeout=60,
+                    preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None,
+                )
+            code, said = done.returncode, done.stderr.decode()
+        assert code == 1, said
+        assert re.fullmatch(rf"gpubroker: lease l-\w+ is released again: it could not be written out \({why}\)\n", said), said
         assert client.call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []  # nobody holds a lease nobody knows of
 
 
