@@ -428,8 +428,6 @@ def _tell(line: str) -> None:
     """A line on standard error from `gpubroker lease` once CMD runs. One that cannot be written (the terminal hung up
     under a job sent to the background, a reader gone) is lost, and nothing else: the renewals, the stop of CMD once
     its lease has run out and CMD's exit code must not end with it."""
-    if sys.stderr is None:
-        return
     try:
         print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError):
@@ -1099,6 +1097,17 @@ class _Closed:
         pass
 
 
+class _Lost:
+    """Standard error closed before this process started (`2>&-`): what is said there is lost, as the caller wanted.
+    Left None, it would not be: print(file=None) writes to standard output, into the listing or JSON a script reads."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def _escaped_output(output_needed: bool = True) -> Iterator[None]:
     saved = sys.stdout, sys.stderr
@@ -1106,7 +1115,7 @@ def _escaped_output(output_needed: bool = True) -> Iterator[None]:
     # standard output a command cannot do without. Standard error closed is for the caller to have wanted.
     out, err = saved
     sys.stdout = _Escaping(out) if out is not None else _Closed() if output_needed else None
-    sys.stderr = None if err is None else _Escaping(err)
+    sys.stderr = _Lost() if err is None else _Escaping(err)
     try:
         yield
     finally:
@@ -1169,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
         _drop_output()
         return 128 + signal.SIGPIPE
     except OSError as error:  # the output cannot be written: a full disk, say
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError), _escaped_output(output_needed=False):
             print(f"gpubroker: the output could not be written: {error.strerror or error}", file=sys.stderr)
         _drop_output()
         return 1
