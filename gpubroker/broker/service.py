@@ -273,7 +273,7 @@ class Broker:
             live = [Lease.from_record(record) for record in loaded.leases]
         except (TypeError, KeyError, ValueError, AttributeError, struct.error) as error:  # a value that unpacks, but is no record of ours
             raise StoreDamaged(self.store.damaged(f"a stored record cannot be read: {type(error).__name__}: {error}")) from None
-        cut_short = self._waits_cut_short()
+        cut_short = self._waits_cut_short(loaded.meta.get("clock"))
         unknown = set().union(*(unknown_fields(record) for record in (*loaded.leases, *loaded.ended)))
         if unknown:  # a newer gpubroker wrote them (this one was rolled back): what it does not know, it will not keep
             log_line(
@@ -341,12 +341,16 @@ class Broker:
             self.start_warning = full.message
         await self.sample()
 
-    def _waits_cut_short(self) -> list[tuple[str, str]]:
+    def _waits_cut_short(self, run: Any) -> list[tuple[str, str]]:
         """The ids and queueing times of the requests that still waited when the broker last stopped without answering
         them (kill -9, a power loss), oldest first: those since its last start with no event of their end after them
         (granted, refused, cancelled). Waiting requests live in memory alone; their requesters' connections were cut
         when it stopped. Read from the kept events, newest first, back to the last `broker.started`: no write per
-        wait. A request whose `lease.queued` is no longer kept (events_kept) is not found, and nothing says it waited."""
+        wait. A request whose `lease.queued` is no longer kept (events_kept) is not found, and nothing says it waited.
+        None after a run of an earlier version (`run`, the clock its start kept, says so): its refusal at the end of a
+        wait named no request, and past the refusal budget was not kept, so its ended waits would be said cut short."""
+        if not (isinstance(run, dict) and run.get("waits_named") is True):
+            return []
         ended: set[str] = set()
         cut: list[tuple[str, str]] = []
         for event in self.store.events_newest_first():
@@ -356,9 +360,6 @@ class Broker:
             if not isinstance(type_, str) or not type_.startswith("lease."):
                 continue
             lease = event.get("lease")
-            details = event.get("details")
-            if lease is None and type_ == "lease.refused" and isinstance(details, dict):
-                lease = details.get("lease")  # an older broker's refusal of a waiting request as it stopped
             if not isinstance(lease, str):
                 continue
             if type_ != "lease.queued":
@@ -379,7 +380,9 @@ class Broker:
         `deadline` on the boot's monotonic clock puts it, whatever the wall clock did since it was granted or renewed:
         a step forward expired every lease not renewed since. After a reboot no holder and no process group survived (`_rebooted`)."""
         boot_id, booted = holders.boot_clock()
-        writes = [Write("meta", b"clock", {"boot_id": boot_id, "booted": booted})]
+        # `waits_named`: every wait of this run ends in an event that names it (`_waits_cut_short`). An earlier version
+        # writes this record again without it, at its start.
+        writes = [Write("meta", b"clock", {"boot_id": boot_id, "booted": booted, "waits_named": True})]
         if not isinstance(stored, dict) or boot_id is None or not isinstance(stored.get("boot_id"), str):
             return writes
         if stored["boot_id"] != boot_id:

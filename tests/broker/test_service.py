@@ -1868,6 +1868,27 @@ async def test_the_refusal_that_ends_a_wait_names_the_request_and_is_kept_whatev
     assert (events[-1]["type"], events[-1]["details"]["waits_cancelled"]) == ("broker.started", 0)  # none is cut short
 
 
+async def test_waits_an_earlier_version_ended_are_not_said_cancelled_by_the_first_start_after_an_upgrade(
+    make_node: Callable[..., Any],
+) -> None:
+    """An earlier version's refusal at the end of a wait named no request (and past the refusal budget was not kept):
+    its run's waits, all ended, were said cancelled by the broker stopping, even after a clean stop."""
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    await node.refused(gpu_memory="10GiB", wait="10ms")
+    await node.broker.close()
+    store = Store(node.config.state_dir, node.config.store_size)
+    loaded = store.load()
+    store.start()
+    refused = next(e for e in store.events_newest_first() if e["type"] == "lease.refused")
+    clock = {k: v for k, v in loaded.meta["clock"].items() if k in ("boot_id", "booted")}  # as an earlier version kept it
+    await store.commit([Write("events", seq_key(refused["seq"]), {**refused, "lease": None}), Write("meta", b"clock", clock)])
+    store.stop()
+    await node.start()
+    assert await node.events("lease.cancelled") == []
+    assert (await node.events())[-1]["details"]["waits_cancelled"] == 0
+
+
 async def test_several_gpus_too_large_for_all_but_some_readable_ones_name_the_gpu_that_decides(make_node: Callable[..., Any]) -> None:
     """With a card that cannot be read, the one named is still the one that decides, and not called the largest."""
     node = await make_node([24 * GIB, 12 * GIB, 40 * GIB, 40 * GIB])
