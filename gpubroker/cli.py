@@ -1146,7 +1146,8 @@ def _main(argv: list[str]) -> int:
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
         args.command = args.command[1:]
         if not args.command:  # `-- $CMD` with CMD empty: a lease bound to nothing would be printed, as if the work had run
-            print("gpubroker lease: error: -- is to be followed by CMD [ARGS]", file=sys.stderr)
+            with _escaped_output(output_needed=False):  # with standard error closed, lost: not written into the output
+                print("gpubroker lease: error: -- is to be followed by CMD [ARGS]", file=sys.stderr)
             return 2
     with _escaped_output(output_needed=_output_needed(args)):
         code: int = args.run(args)

@@ -384,18 +384,19 @@ def test_help_and_version_that_cannot_be_written_fail_as_a_listing_does(argv: li
     assert (done.returncode, done.stderr) == (1, "gpubroker: the output could not be written: No space left on device\n")
 
 
-def test_what_is_said_with_standard_error_closed_is_lost_not_written_into_the_output(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("argv", "code"), [(["leases", "--json"], 1), (["lease", "--"], 2)])
+def test_what_is_said_with_standard_error_closed_is_lost_not_written_into_the_output(tmp_path: Path, argv: list[str], code: int) -> None:
     """`gpubroker leases --json 2>&- | jq` got `gpubroker: UNREACHABLE: ...` in its JSON: Python's print() writes to
-    standard output when standard error is closed."""
+    standard output when standard error is closed. `gpubroker lease --` (CMD empty) wrote its usage error there too."""
     env = {**os.environ, "GPUBROKER_URL": f"unix:{tmp_path / 'no-broker.sock'}"}
     done = subprocess.run(
-        [sys.executable, "-m", "gpubroker", "leases", "--json"],
+        [sys.executable, "-m", "gpubroker", *argv],
         env=env,
         stdout=subprocess.PIPE,
         timeout=30,
         preexec_fn=lambda: os.close(2),
     )
-    assert (done.returncode, done.stdout) == (1, b"")
+    assert (done.returncode, done.stdout) == (code, b"")
 
 
 def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> None:
