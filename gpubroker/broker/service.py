@@ -271,9 +271,9 @@ class Broker:
             self._gpu_epochs = {str(k): int(v) for k, v in epochs.get("gpu", {}).items()}
             ended = [(seq_key(int(record.pop("_end", 0))), Lease.from_record(record)) for record in loaded.ended]
             live = [Lease.from_record(record) for record in loaded.leases]
+            cut_short = self._waits_cut_short(loaded.meta.get("clock"))
         except (TypeError, KeyError, ValueError, AttributeError, struct.error) as error:  # a value that unpacks, but is no record of ours
             raise StoreDamaged(self.store.damaged(f"a stored record cannot be read: {type(error).__name__}: {error}")) from None
-        cut_short = self._waits_cut_short(loaded.meta.get("clock"))
         unknown = set().union(*(unknown_fields(record) for record in (*loaded.leases, *loaded.ended)))
         if unknown:  # a newer gpubroker wrote them (this one was rolled back): what it does not know, it will not keep
             log_line(

@@ -660,6 +660,24 @@ async def test_a_stored_record_that_is_no_lease_stops_the_start_saying_the_store
     store.stop()
 
 
+async def test_a_kept_event_that_is_no_event_stops_the_start_saying_the_store_is_damaged(make_node: Callable[..., Any]) -> None:
+    """The start reads the events since the last one for the waits the broker's end cut short: one it cannot read
+    stopped it with a traceback (KeyError, AttributeError), where a lease record it cannot read says the store is damaged."""
+    node = await make_node()
+    seq = node.broker._event_seq
+    await node.broker.store.commit([Write("events", seq_key(seq + 1), {"seq": seq + 1, "type": "lease.queued", "lease": "l-1"})])
+    with pytest.raises(StoreDamaged, match="a stored record cannot be read: KeyError"):
+        await node.restart()
+    node.broker.store.stop()
+    store = Store(node.config.state_dir, node.config.store_size)
+    store.start()
+    await store.commit([Write("events", seq_key(seq + 1), 7)])
+    store.stop()
+    with pytest.raises(StoreDamaged, match="a stored record cannot be read: AttributeError"):
+        await node.start()
+    node.broker.store.stop()
+
+
 async def test_a_store_a_newer_version_wrote_starts_keeping_its_leases_and_says_what_it_leaves_out(
     make_node: Callable[..., Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
