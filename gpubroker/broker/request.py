@@ -125,6 +125,8 @@ def parse_request(body: Any) -> LeaseRequest:
     if gpus is None:
         gpus = 1 if (gpu_memory or exclusive) else 0
     if gpus and not gpu_memory and not exclusive:
+        if body.get("gpu_memory") is not None:  # given, as 0: that is what to change, not gpus
+            raise _invalid("gpu_memory", f"must be more than 0 with gpus ({gpus}), or give exclusive: true for whole GPUs")
         raise _invalid("gpus", "needs gpu_memory per GPU, or exclusive: true")
     if gpu_memory and not gpus:
         raise _invalid("gpus", "is 0 while gpu_memory is asked for")

@@ -98,7 +98,9 @@ def problems(body: dict[str, Any]) -> set[str]:
     if "gpus" in body and not _count(body["gpus"], MAX_GPUS):
         found.add("gpus")
     gpus = body["gpus"] if "gpus" in body else (1 if (gpu_memory or exclusive) else 0)
-    if (gpus and not gpu_memory and not exclusive) or (gpu_memory and not gpus):
+    if gpus and not gpu_memory and not exclusive:
+        found.add("gpu_memory" if "gpu_memory" in body else "gpus")  # given as 0: gpu_memory is the one to change
+    if gpu_memory and not gpus:
         found.add("gpus")
     if "gpu" in body:
         pin = body["gpu"]
@@ -168,6 +170,8 @@ def assert_decoded_as_written(body: dict[str, Any], request: LeaseRequest) -> No
 @example({"gpu_memory": "8GiB"})
 @example({"exclusive": True, "gpus": 2, "gpu": 0})
 @example({"gpus": 1})
+@example({"gpu_memory": 0, "gpus": 1})
+@example({"gpu_memory": "0GiB"})
 @example({})
 def test_a_document_valid_body_is_accepted_exactly_when_it_is_meaningful(body: dict[str, Any]) -> None:
     assert VALID.is_valid(body)
@@ -350,3 +354,16 @@ def test_a_label_value_that_is_not_text_is_refused_naming_its_label() -> None:
     assert error is not None
     assert _named(error) == "labels"
     assert error.message == f"labels: the value of 'run' must be a string of at most {MAX_TEXT} characters"
+
+
+@pytest.mark.parametrize("zero", [0, "0GiB", "0.0 MiB"])
+def test_gpu_memory_of_0_for_a_gpu_is_refused_naming_gpu_memory_not_gpus(zero: int | str) -> None:
+    """{"gpu_memory": 0, "gpus": 1} was refused with "gpus: needs gpu_memory per GPU": gpu_memory was given, as 0."""
+    error = _refusal({"gpu_memory": zero, "gpus": 2})
+    assert error is not None
+    assert _named(error) == "gpu_memory"
+    assert error.message == "gpu_memory: must be more than 0 with gpus (2), or give exclusive: true for whole GPUs"
+    assert _refusal({"gpu_memory": zero, "gpus": 2, "exclusive": True}) is None
+    error = _refusal({"gpus": 2})
+    assert error is not None
+    assert error.message == "gpus: needs gpu_memory per GPU, or exclusive: true"
