@@ -371,18 +371,57 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
     raw = await _body(request)
     if not raw.strip() and optional:
         return {}
+    return decode_json(raw)
+
+
+def decode_json(raw: bytes) -> Any:
+    """What json.loads does with bytes (UTF-8, or UTF-16 or UTF-32 as their first bytes show), with one decoder made once
+    (json.loads makes one per call when given options); text that is not in its encoding, or an object that gives a key
+    twice, is INVALID_REQUEST saying so."""
+    encoding = json.detect_encoding(raw)
     try:
-        # What json.loads does with bytes, with one decoder made once (json.loads makes one per call when given options).
-        return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        text = raw.decode(encoding, "surrogatepass")
+    except UnicodeDecodeError as error:
+        name = "UTF-8" if encoding.startswith("utf-8") else encoding.upper()
+        bad = raw[error.start : error.end].hex(" ")
+        raise InvalidRequest(
+            f"the body is not {name} text, as JSON must be: {error.reason} ({bad}) at byte offset {error.start}",
+            {"offset": error.start},
+        ) from None
+    try:
+        return _DECODER.decode(text)
+    except _DuplicateKey as error:
+        key = error.key[:MAX_KEPT]
+        raise InvalidRequest(f"the body gives the key {key!r} more than once in one object; give each key once", {"key": key}) from None
     except (ValueError, RecursionError):
         raise InvalidRequest("the body is not valid JSON") from None
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity are not JSON
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose every key is given once: json.loads keeps the last of two, so `{"gpu_memory": "1GiB",
+    "gpu_memory": "20GiB"}` would ask for 20 GiB whichever one its writer meant."""
+    decoded = dict(pairs)
+    if len(decoded) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return decoded
+
+
+# NaN and Infinity are not JSON; a key given twice in one object is refused, at any depth.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_no_duplicate_keys)
 
 
 def _int_query(request: web.Request, name: str, default: int, low: int, high: int) -> int:

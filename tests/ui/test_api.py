@@ -16,21 +16,32 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import BrokerProcess
 from fakes import GIB, FakeClock, FakeGpuProbe
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.service import Broker
 from gpubroker.broker.store import RECOVERED_AFTER, Store, Write
 from gpubroker.client import ClientError
 from gpubroker.config import Config
-from gpubroker.errors import FailureCode, StoreFull
+from gpubroker.errors import FailureCode, InvalidRequest, StoreFull
 from gpubroker.gossip.cluster import ClusterState, decode_token
 from gpubroker.gossip.documents import NodeDocument
 from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.membership import MemberView
 from gpubroker.gossip.mesh import Mesh, MeshSettings
 from gpubroker.gossip.messages import MemberState
-from gpubroker.ui.api import loopback_peer_uid, make_app
+from gpubroker.ui.api import decode_json, loopback_peer_uid, make_app
 from gpubroker.ui.metrics import Metrics
+
+# JSON values as json.dumps writes them: a dictionary's keys are each given once.
+JSON_VALUES = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8)
+    ),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=10,
+)
 
 
 @pytest.fixture
@@ -324,6 +335,83 @@ def test_a_request_the_http_parser_cannot_read_gets_the_one_error_shape(broker: 
     assert error["message"].startswith("the request cannot be read as HTTP: ")
     assert error["details"] == {"status": status}
     assert _raw(broker, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")[0] == 200  # and it serves on
+
+
+def _refused(client: Any, method: str, path: str, body: Any = None) -> ClientError:
+    with pytest.raises(ClientError) as refused:
+        client.call(method, path, body)
+    assert (refused.value.status, refused.value.code) == (400, "INVALID_REQUEST"), refused.value
+    return refused.value
+
+
+def test_a_body_that_gives_a_key_twice_or_is_not_utf_8_is_refused_saying_so(broker: BrokerProcess) -> None:
+    """`{"gpu_memory": "1GiB", "gpu_memory": "20GiB"}` asked for 20 GiB, and a body with a byte that is not UTF-8 was
+    refused as "not valid JSON"."""
+    for raw, key in (
+        (b'{"gpu_memory": "1GiB", "gpu_memory": "20GiB"}', "gpu_memory"),
+        (b'{"gpu_memory": "1GiB", "holder": {"name": "a", "name": "b"}}', "name"),
+        (b'{"cpu_cores": 1, "labels": {"k": "1", "j": "2", "k": "3"}}', "k"),
+    ):
+        status, _, answer = _raw(
+            broker,
+            b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+            + raw,
+        )
+        error = json.loads(answer)["error"]
+        assert (status, error["code"]) == (400, "INVALID_REQUEST")
+        assert error["message"] == f"the body gives the key {key!r} more than once in one object; give each key once"
+        assert error["details"] == {"key": key}
+    raw = '{"gpu_memory": "1GiB", "holder": {"name": "caf\u00e9"}}'.encode("latin-1")
+    status, _, answer = _raw(
+        broker,
+        b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n" + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw,
+    )
+    error = json.loads(answer)["error"]
+    assert status == 400
+    at = raw.index(b"\xe9")  # é as Latin-1 writes it: a UTF-8 lead byte, and a quote where its next byte belongs
+    assert error["message"] == f"the body is not UTF-8 text, as JSON must be: invalid continuation byte (e9) at byte offset {at}"
+    assert error["details"] == {"offset": at}
+    assert broker.client().call("GET", "/v1/leases") == {"leases": []}  # none was granted
+
+
+@given(JSON_VALUES)
+def test_a_body_decodes_as_json_loads_decodes_it_when_no_key_is_given_twice(value: Any) -> None:
+    raw = json.dumps(value, ensure_ascii=False).encode()
+    assert decode_json(raw) == json.loads(raw)
+
+
+# Where an object may sit in a body: inside an array beside other values, or as the value of an object's key.
+WRAPPERS = st.lists(st.one_of(st.tuples(st.just("array"), JSON_VALUES), st.tuples(st.just("object"), st.text(max_size=6))), max_size=4)
+
+
+@given(st.text(max_size=8), st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=3), WRAPPERS)
+def test_a_key_given_twice_in_any_object_at_any_depth_is_refused_naming_it(key: str, others: dict[str, Any], wrappers: list[Any]) -> None:
+    others.pop(key, None)
+    pairs = [f"{json.dumps(name)}: {json.dumps(value)}" for name, value in others.items()]
+    body = "{" + ", ".join([f"{json.dumps(key)}: 1", *pairs, f"{json.dumps(key)}: 2"]) + "}"
+    for kind, beside in wrappers:
+        body = f"[{json.dumps(beside)}, {body}]" if kind == "array" else "{" + f"{json.dumps(beside)}: {body}" + "}"
+    with pytest.raises(InvalidRequest) as refused:
+        decode_json(body.encode())
+    assert refused.value.details == {"key": key}
+    assert refused.value.message == f"the body gives the key {key!r} more than once in one object; give each key once"
+
+
+@given(JSON_VALUES, st.data(), st.sampled_from([b"\xff", b"\xc0", b"\x80", b"\xed\xa0", b"\xf8"]))
+def test_a_body_with_a_byte_that_is_not_utf_8_is_refused_naming_its_offset(value: Any, data: Any, bad: bytes) -> None:
+    raw = json.dumps(value, ensure_ascii=False).encode()
+    at = data.draw(st.integers(0, len(raw)))
+    body = raw[:at] + bad + raw[at:]
+    with pytest.raises(InvalidRequest) as refused:
+        decode_json(body)
+    assert refused.value.message.startswith("the body is not UTF-8 text, as JSON must be: ")
+    # The offset of the first byte that starts no character: the bad one, or the start of a character it cut.
+    with pytest.raises(UnicodeDecodeError) as undecodable:
+        body.decode("utf-8", "surrogatepass")
+    assert refused.value.details == {"offset": undecodable.value.start}
+    assert abs(undecodable.value.start - at) <= 3  # a character it cut, or the rest of one it completed
+    assert refused.value.message.endswith(f" at byte offset {undecodable.value.start}")
 
 
 def test_a_request_the_http_parser_cannot_read_is_one_line_in_the_log_not_a_traceback(broker: BrokerProcess) -> None:
