@@ -25,7 +25,7 @@ from gpubroker.config import Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, Unauthorized
 from gpubroker.ui.auth import CHANGES, CSRF_FIELD, CSRF_HEADER, OPEN_PATHS, SESSION_COOKIE, Guard, Session, Sessions, is_loopback
 from gpubroker.ui.metrics import Metrics
-from gpubroker.ui.openapi import OPENAPI
+from gpubroker.ui.openapi import OPENAPI, QUERY_PARAMETERS
 from gpubroker.units import UnitError, parse_duration, printable_text
 
 if TYPE_CHECKING:
@@ -105,6 +105,30 @@ def meet_expectations_after_checks() -> None:
     web_urldispatcher._default_expect_handler = _expect_later
 
 
+def _check_query(request: web.Request) -> None:
+    """On the API's paths, only the query parameters the OpenAPI document gives the operation, each once: a typo
+    (`?stat=granted`) or a second value (`?state=granted&state=ended`) would otherwise be read as no filter, or as
+    the first value alone. The pages and /metrics take what they like (a login's `next`, a browser's own)."""
+    if not request.query or not request.path.startswith("/v1/"):
+        return
+    resource = request.match_info.route.resource
+    if resource is None:  # no such path, or not with this method: answered as that
+        return
+    method = "GET" if request.method == "HEAD" else request.method
+    operation = f"{request.method} {resource.canonical}"
+    allowed = QUERY_PARAMETERS.get((method, resource.canonical), ())
+    takes = f"it takes: {', '.join(allowed)}" if allowed else "it takes none"
+    for name in request.query:
+        if name not in allowed:
+            raise InvalidRequest(
+                f"unknown query parameter {_text(name)!r} for {operation}; {takes}", {"field": name, "allowed": list(allowed)}
+            )
+        if len(given := request.query.getall(name)) > 1:
+            raise InvalidRequest(
+                f"query parameter {_text(name)!r} given {len(given)} times for {operation}; give it once", {"field": name, "values": given}
+            )
+
+
 def _check_expectation(request: web.Request) -> None:
     expect = request.headers.get("Expect")
     if expect is not None and request.version == HttpVersion11 and expect.strip().lower() != "100-continue":
@@ -158,6 +182,7 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
             _check_origin(request)
             await _authenticate(request)
         _check_expectation(request)
+        _check_query(request)
         return await handler(request)
     except Unauthorized as error:
         if request.method == "GET" and not request.path.startswith(PAGE_PREFIXES):

@@ -543,3 +543,11 @@ OPENAPI: dict[str, Any] = {
 for _item in OPENAPI["paths"].values():
     for _operation in _item.values():
         _operation["responses"] = dict(sorted({**_error_responses(401, 403, 417), **_operation["responses"]}.items()))
+
+# The query parameters each operation takes, by method and path as the document writes them: the API refuses any other
+# (and any given twice), so that what is documented and what is read cannot drift apart.
+QUERY_PARAMETERS: dict[tuple[str, str], tuple[str, ...]] = {
+    (method.upper(), path): tuple(p["name"] for p in operation.get("parameters", []) if p["in"] == "query")
+    for path, item in OPENAPI["paths"].items()
+    for method, operation in item.items()
+}

@@ -344,6 +344,28 @@ def _refused(client: Any, method: str, path: str, body: Any = None) -> ClientErr
     return refused.value
 
 
+def test_a_query_parameter_the_operation_does_not_take_or_given_twice_is_refused_naming_it(broker: BrokerProcess) -> None:
+    """`GET /v1/leases?stat=granted` (a typo) listed every lease, and `?state=granted&state=ended` read the first state
+    alone: the API's operations take the query parameters their OpenAPI document gives them, each once."""
+    client = broker.client()
+    client.call("POST", "/v1/leases", {"cpu_cores": 1, "bind": "none"})
+    typo = _refused(client, "GET", "/v1/leases?stat=released")
+    assert typo.message == "unknown query parameter 'stat' for GET /v1/leases; it takes: state, node, limit"
+    assert typo.details == {"field": "stat", "allowed": ["state", "node", "limit"]}
+    twice = _refused(client, "GET", "/v1/leases?state=released&state=granted")
+    assert twice.message == "query parameter 'state' given 2 times for GET /v1/leases; give it once"
+    none = _refused(client, "DELETE", "/v1/leases/l-000000000000?force=1")
+    assert none.message == "unknown query parameter 'force' for DELETE /v1/leases/{id}; it takes none"
+    assert _refused(client, "GET", "/v1/events?after=0&limit=5&since=0").details["allowed"] == ["after", "limit"]
+    assert client.call("GET", "/v1/leases?state=released&limit=5&node=") == {"leases": []}
+    # Pages, /metrics and /healthz are not the API's: a browser's or a scraper's parameters are theirs.
+    assert client.call("GET", "/healthz?cache=1")["ok"] is True
+    assert _raw(broker, b"GET /metrics?x=1 HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")[0] == 200
+    with pytest.raises(ClientError) as unknown:  # a path that is not one is still NOT_FOUND, whatever its query
+        client.call("GET", "/v1/nothing?x=1")
+    assert unknown.value.code == "NOT_FOUND"
+
+
 def test_a_body_that_gives_a_key_twice_or_is_not_utf_8_is_refused_saying_so(broker: BrokerProcess) -> None:
     """`{"gpu_memory": "1GiB", "gpu_memory": "20GiB"}` asked for 20 GiB, and a body with a byte that is not UTF-8 was
     refused as "not valid JSON"."""
