@@ -1186,8 +1186,9 @@ class Broker:
     def find_waiter(self, lease_id: str) -> Waiter | None:
         return next((w for w in self.waiters if w.id == lease_id), None)
 
-    def authorize(self, lease: Lease | Waiter, caller: Caller, token: str | None) -> None:
-        """The lease's own Unix user, root or the broker's own user, an admin, or its token: anyone else is FORBIDDEN."""
+    def authorize(self, lease: Lease | Waiter, caller: Caller, token: str | None, doing: str = "release") -> None:
+        """The lease's own Unix user, root or the broker's own user, an admin, or its token: anyone else is FORBIDDEN,
+        told how those may `doing` (release, renew or register) it."""
         if caller.admin is not None:
             return
         uid = lease.holder.uid
@@ -1200,11 +1201,25 @@ class Broker:
         # Named by its Unix user, not its holder name: that is the caller's word ("gpubroker", say), and the user is
         # who may act on it; a lease asked for over TCP has none, and only its token or root may.
         owner = "no Unix user (it was asked for over TCP)" if uid is None else f"user {_user_name(uid)} (uid {uid})"
+        holder = lease.holder.name or "an unnamed holder"
+        users = f"{'' if uid is None else 'that user, '}root or the broker's own user on the Unix socket"
+        admin = "an admin (the API token, the web UI signed in)"
+        if isinstance(lease, Waiter):  # no token until it is granted: X-Lease-Token cannot name it
+            raise Forbidden(
+                f"request {lease.id} ({holder}) waits to be granted and has no token yet (it belongs to {owner}): its "
+                f"requester cancels it by ending its waiting POST /v1/leases (closing its connection); by its id (DELETE "
+                f"/v1/leases/{lease.id}, `gpubroker release {lease.id}`) only {users}, or {admin}, may cancel it",
+                {"lease": lease.id, "uid": uid, "state": "queued"},
+            )
         given = "; the token given is not its" if token is not None else ""
+        how = {
+            "release": f"`gpubroker release {lease.id} --token T`",
+            "renew": f"POST /v1/leases/{lease.id}/renew",
+            "register": f"POST /v1/leases/{lease.id}/processes",
+        }[doing]
+        what = "register a process group with it" if doing == "register" else f"{doing} it"
         raise Forbidden(
-            f"lease {lease.id} ({lease.holder.name or 'an unnamed holder'}) belongs to {owner}: only "
-            f"{'' if uid is None else 'that user, '}root or the broker's own user on the Unix socket, an admin (the API "
-            f"token, the web UI signed in), or its token (X-Lease-Token; `gpubroker release ID --token T`), may act on it{given}",
+            f"lease {lease.id} ({holder}) belongs to {owner}: only {users}, {admin}, or its token (X-Lease-Token; {how}), may {what}{given}",
             {"lease": lease.id, "uid": uid},
         )
 
@@ -1225,7 +1240,7 @@ class Broker:
 
     async def renew(self, lease_id: str, caller: Caller, token: str | None, ttl: float | None) -> Lease:
         lease = self._live(lease_id)
-        self.authorize(lease, caller, token)
+        self.authorize(lease, caller, token, "renew")
         renewed = replace(lease, ttl=ttl if ttl is not None else lease.ttl)
         renewed.expires_at = self.clock.now() + renewed.ttl
         renewed.deadline = self.clock.elapsed() + renewed.ttl
@@ -1239,7 +1254,7 @@ class Broker:
     async def register_group(self, lease_id: str, caller: Caller, token: str | None, pgid: int) -> Lease:
         """Add a process group to the lease: its GPU memory is the lease's, and it is signalled when the lease ends."""
         lease = self._live(lease_id)
-        self.authorize(lease, caller, token)
+        self.authorize(lease, caller, token, "register")
         if pgid == os.getpgrp():
             raise Forbidden(f"process group {pgid} is the broker's own", {"pgid": pgid})
         # The broker signals a lease's groups when it ends: a token alone must not let anyone have

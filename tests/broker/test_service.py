@@ -490,7 +490,7 @@ async def test_a_refusal_to_act_on_a_lease_names_its_unix_user_and_what_would_do
     assert str(refused.value) == (
         f"lease {lease['id']} (gpubroker) belongs to user nobody (uid {nobody}): only that user, root or the broker's own user "
         "on the Unix socket, an admin (the API token, the web UI signed in), or its token (X-Lease-Token; "
-        "`gpubroker release ID --token T`), may act on it"
+        f"`gpubroker release {lease['id']} --token T`), may release it"
     )
     over_tcp, _ = await node.ask(gpu_memory="4GiB")
     with pytest.raises(
@@ -498,6 +498,50 @@ async def test_a_refusal_to_act_on_a_lease_names_its_unix_user_and_what_would_do
         match=r"belongs to no Unix user \(it was asked for over TCP\): only root or the broker's own user on .*; the token given is not its$",
     ):
         await node.broker.renew(over_tcp["id"], Caller("unix", uid=1001, pid=1), "not-the-token", None)
+
+
+async def test_a_refused_renewal_or_registration_names_its_own_form_not_the_release_command(
+    make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal refused FORBIDDEN suggested `gpubroker release ID --token T`: following it would end the lease."""
+    node = await make_node()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    lease, _ = await node.ask(gpu_memory="4GiB")
+    stranger = Caller("unix", uid=1001, pid=1)
+    with pytest.raises(Forbidden) as renewal:
+        await node.broker.renew(lease["id"], stranger, None, None)
+    assert renewal.value.message.endswith(f"or its token (X-Lease-Token; POST /v1/leases/{lease['id']}/renew), may renew it")
+    with pytest.raises(Forbidden) as registration:
+        await node.broker.register_group(lease["id"], stranger, None, os.getpgrp())
+    assert registration.value.message.endswith(
+        f"or its token (X-Lease-Token; POST /v1/leases/{lease['id']}/processes), may register a process group with it"
+    )
+    assert "release" not in renewal.value.message + registration.value.message
+
+
+async def test_a_waiting_request_its_requester_may_not_cancel_by_id_is_told_how_it_can_be(
+    make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A requester over TCP deleting its own waiting request was told that the "lease" takes its X-Lease-Token, which
+    a request has only once granted: ending its waiting POST cancels it, or its user or root on the socket by id."""
+    node = await make_node()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    await node.ask(gpu_memory="20GiB")
+    waiting = asyncio.create_task(node.ask(gpu_memory="15GiB", wait="1m", holder={"name": "train"}))
+    await settle()
+    (waiter,) = node.broker.waiters
+    with pytest.raises(Forbidden) as refused:
+        await node.broker.release(waiter.id, TCP, None)
+    assert refused.value.message == (
+        f"request {waiter.id} (train) waits to be granted and has no token yet (it belongs to no Unix user (it was asked for "
+        "over TCP)): its requester cancels it by ending its waiting POST /v1/leases (closing its connection); by its id "
+        f"(DELETE /v1/leases/{waiter.id}, `gpubroker release {waiter.id}`) only root or the broker's own user on the Unix "
+        "socket, or an admin (the API token, the web UI signed in), may cancel it"
+    )
+    assert "X-Lease-Token" not in refused.value.message
+    assert node.broker.waiters == [waiter]  # refused: it waits on
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
 
 
 async def test_an_unknown_lease_is_not_found(make_node: Callable[..., Any]) -> None:
