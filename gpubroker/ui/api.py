@@ -19,7 +19,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gpubroker.broker import holders
 from gpubroker.broker.lease import ENDED, LIVE, Lease
-from gpubroker.broker.request import parse_request
+from gpubroker.broker.request import MAX_PID, parse_request
 from gpubroker.broker.service import API_TOKEN, OWN_USER_ON_SOCKET, ROOT_ON_SOCKET, WEB_UI, Broker, Caller, socket_admin
 from gpubroker.config import Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, Unauthorized
@@ -604,9 +604,15 @@ async def renew_lease(request: web.Request) -> web.Response:
 async def add_process_group(request: web.Request) -> web.Response:
     body = await _json_body(request)
     pgid = body.get("pgid") if isinstance(body, dict) else None
-    if not isinstance(body, dict) or set(body) != {"pgid"} or isinstance(pgid, bool) or not isinstance(pgid, int) or not 1 < pgid < 2**22:
+    if (
+        not isinstance(body, dict)
+        or set(body) != {"pgid"}
+        or isinstance(pgid, bool)
+        or not isinstance(pgid, int)
+        or not 1 < pgid <= MAX_PID
+    ):
         raise InvalidRequest(
-            f'register a process group as {{"pgid": N}} with N a process group id, an integer from 2 to {2**22 - 1}', {"field": "pgid"}
+            f'register a process group as {{"pgid": N}} with N a process group id, an integer from 2 to {MAX_PID}', {"field": "pgid"}
         )
     lease = await request.app[BROKER].register_group(request.match_info["id"], _caller(request), _token(request), pgid)
     return web.json_response({"lease": lease.to_json()})

@@ -127,7 +127,7 @@ OPENAPI: dict[str, Any] = {
                                 "type": "object",
                                 "required": ["pgid"],
                                 "additionalProperties": False,
-                                "properties": {"pgid": {"type": "integer", "minimum": 2}},
+                                "properties": {"pgid": {"type": "integer", "minimum": 2, "maximum": MAX_PID}},
                             }
                         }
                     },

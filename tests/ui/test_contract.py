@@ -271,6 +271,15 @@ def test_a_request_refused_for_going_past_a_bound_is_one_the_document_says_is_in
     assert schema_errors({"$ref": "#/components/schemas/LeaseRequest"}, body) != []  # a client can know before it asks
 
 
+@pytest.mark.parametrize("pgid", [1, MAX_PID + 1])
+def test_a_process_group_refused_for_going_past_a_bound_is_one_the_document_says_is_invalid(api: Api, pgid: int) -> None:
+    lease = api("POST", "/v1/leases", {"cpu_cores": 1, "bind": "none"}).json()["lease"]
+    refused = api("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": pgid}, headers={"X-Lease-Token": lease["token"]})
+    assert refused.json()["error"]["code"] == "INVALID_REQUEST"
+    schema = OPENAPI["paths"]["/v1/leases/{id}/processes"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert schema_errors(schema, {"pgid": pgid}) != []  # a client can know before it asks
+
+
 def test_a_gpu_that_cannot_be_read_is_answered_as_the_document_says_and_shown_by_status(
     broker_process: type[BrokerProcess], tmp_path: Path
 ) -> None:
