@@ -39,6 +39,16 @@ def candidates(request: LeaseRequest, budgets: Sequence[Budget]) -> list[Budget]
     return [b for b in budgets if request.gpu in (b.reading.index, b.reading.uuid)]
 
 
+def could_use(request: LeaseRequest, budgets: Sequence[Budget]) -> list[Budget]:
+    """The accelerators a request could use once room is made: its candidates that can lease what it asks for per
+    GPU even when empty. A waiting request claims these alone: a card too small for it is never held back for it."""
+    return [b for b in candidates(request, budgets) if _large_enough(request, b)]
+
+
+def _large_enough(request: LeaseRequest, budget: Budget) -> bool:
+    return request.gpu_memory <= budget.figures.total - budget.figures.reserve
+
+
 def _room(request: LeaseRequest, budget: Budget) -> int | None:
     """Bytes this request would get on this accelerator, or None if it does not fit."""
     if budget.exclusive_holder is not None:
@@ -132,7 +142,7 @@ def place(
             f"{request.gpus} GPU{'s' if request.gpus > 1 else ''} asked for; this node has {len(usable)}",
             {"need_gpus": request.gpus, "gpus": len(usable)},
         )
-    large_enough = [b for b in usable if request.gpu_memory <= b.figures.total - b.figures.reserve]
+    large_enough = [b for b in usable if _large_enough(request, b)]
     if len(large_enough) < request.gpus:  # it cannot fit even on an empty GPU: waiting would never end
         largest = max(usable, key=lambda b: (b.figures.total - b.figures.reserve, -b.reading.index))
         asked = f"{gib(request.gpu_memory)} GiB"

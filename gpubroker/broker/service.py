@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 from gpubroker import __version__
 from gpubroker.broker import holders
 from gpubroker.broker.budget import Budget, GpuLeases, compute_budget, compute_budgets, leases_by_gpu, over_declared
-from gpubroker.broker.decide import HostBudget, Placement, candidates, place
+from gpubroker.broker.decide import HostBudget, Placement, could_use, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token, unknown_fields
 from gpubroker.broker.probes import GpuProbe, GpuReading, GpusUnreadable, HostReading, ProbeError, UnreadableGpu, sample_host
 from gpubroker.broker.request import LeaseRequest
@@ -941,7 +941,7 @@ class Broker:
         """The requests waiting ahead of this one that claim accelerators, each with the ones it claims: not one that
         wants no GPU, one refused for the driver (it claims none), nor one granted and being made durable."""
         return [
-            (other, {b.reading.index for b in candidates(other.request, budgets)})
+            (other, {b.reading.index for b in could_use(other.request, budgets)})
             for other in self.waiters
             if other.order < waiter.order and other.lease is None and other.claims and other.request.wants_gpus
         ]
@@ -1145,7 +1145,7 @@ class Broker:
             if isinstance(decision, Refusal):
                 waiter.reason, waiter.claims = decision.message, decision.code is not FailureCode.DRIVER_ERROR
                 if waiter.request.wants_gpus and waiter.claims:
-                    blocked.update(b.reading.index for b in candidates(waiter.request, self.budgets()))
+                    blocked.update(b.reading.index for b in could_use(waiter.request, self.budgets()))
                 continue
             self.waiters.remove(waiter)
             try:
@@ -1468,7 +1468,7 @@ class Broker:
 
     def waiter_json(self, waiter: Waiter) -> dict[str, Any]:
         budgets = self.budgets()
-        mine = {b.reading.index for b in candidates(waiter.request, budgets)} if waiter.request.wants_gpus else set()
+        mine = {b.reading.index for b in could_use(waiter.request, budgets)} if waiter.request.wants_gpus else set()
         behind = [other.id for other, claimed in self._claims_ahead(waiter, budgets) if mine & claimed]
         r = waiter.request
         return {

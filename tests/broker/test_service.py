@@ -375,6 +375,27 @@ async def test_a_waiter_blocks_its_own_class_and_lower_but_not_a_higher_one(make
     await asyncio.gather(waiter, return_exceptions=True)
 
 
+async def test_a_waiting_request_holds_back_no_gpu_too_small_ever_to_hold_it(make_node: Callable[..., Any]) -> None:
+    """A production request for 10 GiB waits for the 24 GiB GPU alone: the 8 GiB one can lease at most 7 GiB, so a
+    background request is granted there, now or once room is made, and waits behind nothing."""
+    node = await make_node([24 * GIB, 8 * GIB])
+    await node.ask(gpu_memory="20GiB", gpu=0)
+    held, token = await node.ask(gpu_memory="7GiB", gpu=1)
+    big = asyncio.create_task(node.ask(gpu_memory="10GiB", priority="production", wait="1m"))
+    await settle()
+    small = asyncio.create_task(node.ask(gpu_memory="2GiB", gpu=1, priority="background", wait="1m"))
+    await settle()
+    queued = {lease["request"]["gpu_memory"]: lease for lease in node.broker.list_leases("queued", 10)}
+    assert queued[2 * GIB]["waiting_behind"] == []
+    await node.broker.release(held["id"], TCP, token)
+    lease, _ = await asyncio.wait_for(small, 5)
+    assert [gpu["index"] for gpu in lease["gpus"]] == [1]
+    lease, _ = await node.ask(gpu_memory="1GiB", priority="background")
+    assert [gpu["index"] for gpu in lease["gpus"]] == [1]
+    big.cancel()
+    await asyncio.gather(big, return_exceptions=True)
+
+
 async def test_a_queued_request_shows_its_position_and_what_it_waits_behind(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     await node.ask(gpu_memory="20GiB")
