@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,11 +103,12 @@ def place(
     *,
     now: float,
     staleness: float,
-    blocked: Collection[int] = (),
+    blocked: Mapping[int, Sequence[str]] | None = None,
     driver_error: str | None = None,
     unreadable: Sequence[UnreadableGpu] = (),
 ) -> Placement | Refusal:
-    """Where the request fits now; `blocked` accelerators are claimed by requests waiting ahead of it; `unreadable`
+    """Where the request fits now; `blocked` accelerators are claimed by requests waiting ahead of it (each with those
+    requests, as a refusal names them, first ahead first); `unreadable`
     ones are listed by the driver but cannot be read, so nothing is placed on them."""
     refusal = _host_refusal(request, host)
     if refusal is not None:
@@ -180,6 +181,7 @@ def place(
             f"{ages}; decisions need a reading under {staleness:.1f}s old",
             {"staleness": staleness, "ages": {b.reading.uuid: round(now - b.reading.observed_at, 3) for b in stale}},
         )
+    blocked = blocked or {}
     open_ = [b for b in fresh if b.reading.index not in blocked]
     fitting = [(b, room) for b in open_ if (room := _room(request, b)) is not None]
     if len(fitting) >= request.gpus:
@@ -194,13 +196,21 @@ def place(
     return refusal
 
 
+def _ahead(requests: Sequence[str]) -> str:
+    """The requests that claim a GPU, as a refusal names them: the first few, first ahead first."""
+    if not requests:
+        return ""
+    more = f" and {len(requests) - 3} more" if len(requests) > 3 else ""
+    return f" ({', '.join(requests[:3])}{more})"
+
+
 def _unreadable_refusal(what: str, unread: Sequence[UnreadableGpu]) -> Refusal:
     """A request that only cards the driver cannot read could serve: a fault of the driver, not a lack of room."""
     why = "; ".join(f"{u.label()} cannot be read: {u.error}" for u in unread)
     return Refusal(FailureCode.DRIVER_ERROR, f"{what}; {why}", {"driver_error": why, "unreadable": [u.to_json() for u in unread]})
 
 
-def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]) -> Refusal:
+def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[int, Sequence[str]]) -> Refusal:
     need = request.gpu_memory
     best = max(fresh, key=lambda b: (b.figures.schedulable, -b.reading.index))
     # With several GPUs asked for, what decides is the room of the last one it would need, not of the best.
@@ -219,7 +229,11 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Collection[int]
     waiting = [b for b in fresh if b.reading.index in blocked and _room(request, b) is not None]
     if waiting:
         details["waiting_ahead_on"] = [b.reading.uuid for b in waiting]
-        message = "; ".join(f"{b.explain()}; claimed by requests waiting ahead" for b in waiting)
+        details["waiting_ahead"] = {b.reading.uuid: list(blocked[b.reading.index]) for b in waiting}
+        claimed = [f"{b.explain()}; claimed by requests waiting ahead{_ahead(blocked[b.reading.index])}" for b in waiting]
+        # The other GPUs are named too, with the room that keeps them out: "claimed" alone does not say why not those.
+        others = [b.explain() for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in waiting]
+        message = "; ".join([*claimed, *others[: max(0, 4 - len(claimed))]])
         return Refusal(FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, f"{message}; {needs}", details)
     held = [b for b in fresh if b.exclusive_holder or (request.exclusive and b.leases)]
     if held and len(fresh) - len(held) < request.gpus:  # too few GPUs are free of the leases that hold the others

@@ -916,7 +916,7 @@ class Broker:
             )
         return await self._wait(waiter, decision)
 
-    def _place(self, request: LeaseRequest, blocked: set[int], budgets: list[Budget] | None = None) -> Placement | Refusal:
+    def _place(self, request: LeaseRequest, blocked: dict[int, list[str]], budgets: list[Budget] | None = None) -> Placement | Refusal:
         return place(
             request,
             self.budgets() if budgets is None else budgets,
@@ -928,13 +928,15 @@ class Broker:
             unreadable=self.unreadable,
         )
 
-    def _claimed_ahead(self, waiter: Waiter) -> set[int]:
-        """Accelerators claimed by requests waiting ahead of this one (higher class, or earlier in its own)."""
-        blocked: set[int] = set()
+    def _claimed_ahead(self, waiter: Waiter) -> dict[int, list[str]]:
+        """Accelerators claimed by requests waiting ahead of this one (higher class, or earlier in its own), each with
+        those requests, first ahead first."""
+        blocked: dict[int, list[str]] = {}
         if not self.waiters:
             return blocked
-        for _, claimed in self._claims_ahead(waiter, self.budgets()):
-            blocked |= claimed
+        for other, claimed in self._claims_ahead(waiter, self.budgets()):
+            for index in claimed:
+                blocked.setdefault(index, []).append(_named(other))
         return blocked
 
     def _claims_ahead(self, waiter: Waiter, budgets: list[Budget]) -> list[tuple[Waiter, set[int]]]:
@@ -951,7 +953,7 @@ class Broker:
         assert request.deadline is not None
         staying = [lease for lease in self.leases.values() if lease.preemption == "never" and lease.expires_at > request.deadline]
         budgets = compute_budgets(self.readings, leases_by_gpu(staying), self.config.reserve)
-        decision = self._place(request, set(), budgets)
+        decision = self._place(request, {}, budgets)
         # A driver that cannot read a card, or has not read it lately, may read it before the deadline: only room
         # held past it makes a request hopeless.
         return (
@@ -1137,7 +1139,7 @@ class Broker:
 
     def _scan(self) -> None:
         """Grant waiters in claim order; one that cannot be granted claims every accelerator it could use."""
-        blocked: set[int] = set()
+        blocked: dict[int, list[str]] = {}
         for waiter in list(self.waiters):
             if waiter.lease is not None:
                 continue
@@ -1145,7 +1147,8 @@ class Broker:
             if isinstance(decision, Refusal):
                 waiter.reason, waiter.claims = decision.message, decision.code is not FailureCode.DRIVER_ERROR
                 if waiter.request.wants_gpus and waiter.claims:
-                    blocked.update(b.reading.index for b in could_use(waiter.request, self.budgets()))
+                    for b in could_use(waiter.request, self.budgets()):
+                        blocked.setdefault(b.reading.index, []).append(_named(waiter))
                 continue
             self.waiters.remove(waiter)
             try:
@@ -1571,6 +1574,11 @@ class Broker:
         if oldest is None:
             return 0
         return max(0, min(int(found[0]["seq"]), oldest) - after - 1)
+
+
+def _named(waiter: Waiter) -> str:
+    """A waiting request as a refusal names it: its id and class, which `gpubroker leases` shows it by."""
+    return f"{waiter.id} {waiter.request.priority}"
 
 
 def _granted_index(on: GpuLeases, uuid: str) -> int:

@@ -396,6 +396,24 @@ async def test_a_waiting_request_holds_back_no_gpu_too_small_ever_to_hold_it(mak
     await asyncio.gather(big, return_exceptions=True)
 
 
+async def test_a_refusal_for_a_gpu_claimed_ahead_names_the_request_that_claims_it_and_the_other_gpus_figures(
+    make_node: Callable[..., Any],
+) -> None:
+    node = await make_node([24 * GIB, 12 * GIB])
+    await node.ask(gpu_memory="20GiB", gpu=0)
+    await node.ask(gpu_memory="10GiB", gpu=1)
+    big = asyncio.create_task(node.ask(gpu_memory="15GiB", priority="production", wait="1m"))
+    await settle()
+    (waiter,) = node.broker.waiters
+    error = await node.refused(gpu_memory="2GiB", priority="background")
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert f"3.0 schedulable; claimed by requests waiting ahead ({waiter.id} production); GPU 1 (" in error.message
+    assert error.message.endswith("1.0 reserve → 1.0 schedulable; needs 2.0")
+    assert error.details["waiting_ahead"] == {"GPU-fake-0": [f"{waiter.id} production"]}
+    big.cancel()
+    await asyncio.gather(big, return_exceptions=True)
+
+
 async def test_a_queued_request_shows_its_position_and_what_it_waits_behind(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     await node.ask(gpu_memory="20GiB")
