@@ -235,10 +235,20 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[int, Se
         others = [b.explain() for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in waiting]
         message = "; ".join([*claimed, *others[: max(0, 4 - len(claimed))]])
         return Refusal(FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, f"{message}; {needs}", details)
-    held = [b for b in fresh if b.exclusive_holder or (request.exclusive and b.leases)]
-    if held and len(fresh) - len(held) < request.gpus:  # too few GPUs are free of the leases that hold the others
-        owners = ", ".join(f"{b.label()} held by {b.exclusive_holder or ', '.join(x.id for x in b.leases)}" for b in held)
-        return Refusal(FailureCode.LEASE_CONFLICT, f"{owners}; {needs}", details)
+    # Held is what decides only on a GPU large enough for the request: on a smaller one it would not fit if free.
+    held = [b for b in fresh if (b.exclusive_holder or (request.exclusive and b.leases)) and _large_enough(request, b)]
+    free = [b for b in fresh if b not in held and _large_enough(request, b)]
+    if held and len(free) < request.gpus:  # too few GPUs that could hold it are free of the leases that hold the others
+        owners = [
+            f"{b.label()} held whole by {b.exclusive_holder}"
+            if b.exclusive_holder
+            else f"{b.label()} held by {', '.join(x.id for x in b.leases)}"
+            for b in held
+        ]
+        # The other GPUs with their figures: why those would not do either.
+        others = [b.explain() for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in held]
+        message = "; ".join([*owners, *others[: max(0, 4 - len(owners))]])
+        return Refusal(FailureCode.LEASE_CONFLICT, f"{message}; {needs}", details)
     pressed = [b for b in fresh if b.pressure]
     code = FailureCode.EXTERNAL_GPU_PRESSURE if len(pressed) == len(fresh) else FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
     shown = sorted(fresh, key=lambda b: -b.figures.schedulable)[:4]

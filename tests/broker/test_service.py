@@ -173,7 +173,8 @@ async def test_whole_gpus_held_by_leases_are_a_lease_conflict_naming_them(make_n
     error = await node.refused(exclusive=True, gpus=2)
     assert error.code is FailureCode.LEASE_CONFLICT
     assert error.message == (
-        f"GPU 0 (RTX 4090, 24.0 GiB) held by {held[0]}, GPU 1 (RTX 4090, 24.0 GiB) held by {held[1]}; needs 2 whole GPUs"
+        f"GPU 0 (RTX 4090, 24.0 GiB) held by {held[0]}; GPU 1 (RTX 4090, 24.0 GiB) held by {held[1]}; "
+        "GPU 2 (RTX 4090, 24.0 GiB): 0.0 external, 0.0 leased, 1.0 reserve → 23.0 schedulable; needs 2 whole GPUs"
     )
     assert "0.0 each" not in (await node.refused(exclusive=True, gpus=3)).message
 
@@ -612,6 +613,28 @@ async def test_without_a_driver_gpu_requests_fail_while_cpu_and_memory_are_broke
     lease, _ = await node.ask(cpu_cores=1, memory="64MiB")
     assert (lease["cpu_cores"], lease["memory"], lease["gpus"]) == (1, 64 * 2**20, [])
     assert node.broker.node_json()["gpus"] == []
+
+
+async def test_whole_gpus_held_by_leases_are_the_conflict_where_every_free_gpu_is_too_small_for_the_request(
+    make_node: Callable[..., Any],
+) -> None:
+    """An exclusive request for at least 8 GiB on a 24, a 12 and an 8 GiB GPU, the two large ones with a lease each:
+    the leases are what keep it out, the 8 GiB GPU (7 GiB at most) being too small, not a lack of schedulable room."""
+    node = await make_node(sizes=[24 * GIB, 12 * GIB, 8 * GIB])
+    held = [(await node.ask(gpu_memory="1GiB", gpu=index))[0]["id"] for index in (0, 1)]
+    error = await node.refused(exclusive=True, gpu_memory="8GiB")
+    assert error.code is FailureCode.LEASE_CONFLICT
+    assert error.message == (
+        f"GPU 0 (RTX 4090, 24.0 GiB) held by {held[0]}; GPU 1 (RTX 4090, 12.0 GiB) held by {held[1]}; "
+        "GPU 2 (RTX 4090, 8.0 GiB): 0.0 external, 0.0 leased, 1.0 reserve → 7.0 schedulable; "
+        "needs the whole GPU, with at least 8.0"
+    )
+    whole, _ = await node.ask(exclusive=True, gpu=2)
+    error = await node.refused(gpu_memory="1GiB", gpu=2)
+    assert (error.code, error.message) == (
+        FailureCode.LEASE_CONFLICT,
+        f"GPU 2 (RTX 4090, 8.0 GiB) held whole by {whole['id']}; needs 1.0",
+    )
 
 
 async def test_cpu_and_memory_beyond_what_is_left_are_refused_with_figures(make_node: Callable[..., Any]) -> None:
