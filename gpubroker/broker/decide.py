@@ -196,6 +196,14 @@ def place(
     return refusal
 
 
+def _explain(budget: Budget) -> str:
+    """A GPU's figures in a refusal; a pressed one says so, and by how much, whichever the refusal's code: its figures
+    add up to more than its total."""
+    if not budget.pressure:
+        return budget.explain()
+    return f"{budget.explain()} (external usage has grown {gib(budget.shortfall)} into leased or reserved memory)"
+
+
 def _ahead(requests: Sequence[str]) -> str:
     """The requests that claim a GPU, as a refusal names them: the first few, first ahead first."""
     if not requests:
@@ -232,7 +240,7 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[int, Se
         details["waiting_ahead"] = {b.reading.uuid: list(blocked[b.reading.index]) for b in waiting}
         claimed = [f"{b.explain()}; claimed by requests waiting ahead{_ahead(blocked[b.reading.index])}" for b in waiting]
         # The other GPUs are named too, with the room that keeps them out: "claimed" alone does not say why not those.
-        others = [b.explain() for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in waiting]
+        others = [_explain(b) for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in waiting]
         message = "; ".join([*claimed, *others[: max(0, 4 - len(claimed))]])
         return Refusal(FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, f"{message}; {needs}", details)
     # Held is what decides only on a GPU large enough for the request: on a smaller one it would not fit if free.
@@ -246,13 +254,11 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[int, Se
             for b in held
         ]
         # The other GPUs with their figures: why those would not do either.
-        others = [b.explain() for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in held]
+        others = [_explain(b) for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in held]
         message = "; ".join([*owners, *others[: max(0, 4 - len(owners))]])
         return Refusal(FailureCode.LEASE_CONFLICT, f"{message}; {needs}", details)
     pressed = [b for b in fresh if b.pressure]
     code = FailureCode.EXTERNAL_GPU_PRESSURE if len(pressed) == len(fresh) else FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
     shown = sorted(fresh, key=lambda b: -b.figures.schedulable)[:4]
-    message = "; ".join(b.explain() for b in shown)
-    if code is FailureCode.EXTERNAL_GPU_PRESSURE:
-        message += " (external usage has grown into leased or reserved memory)"
+    message = "; ".join(_explain(b) for b in shown)
     return Refusal(code, f"{message}; {needs}", details)

@@ -263,6 +263,24 @@ async def test_external_growth_is_pressure_refusing_new_requests_but_revoking_no
     assert len(await node.events("gpu.pressure.ended")) == 1
 
 
+async def test_a_refusal_says_which_gpus_are_pressed_and_by_how_much_whichever_its_code(make_node: Callable[..., Any]) -> None:
+    """External usage grown 1 GiB into a lease on the 12 GiB GPU: its figures add up to 13 GiB, and a refusal that names
+    it says why, also where the 24 GiB GPU, not pressed, makes the code INSUFFICIENT_SCHEDULABLE_VRAM."""
+    node = await make_node([24 * GIB, 12 * GIB])
+    await node.ask(gpu_memory="20GiB", gpu=0)
+    await node.ask(gpu_memory="8GiB", gpu=1)
+    node.probe.external(1, 4 * GIB, name="plex")
+    await node.sample()
+    pressed = (
+        "4.0 external (plex 4.0), 8.0 leased, 1.0 reserve → 0.0 schedulable (external usage has grown 1.0 into leased or reserved memory)"
+    )
+    error = await node.refused(gpu_memory="5GiB")
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert f"GPU 1 (RTX 4090, 12.0 GiB): {pressed}; needs 5.0" in error.message
+    error = await node.refused(gpu_memory="5GiB", gpu=1)
+    assert (error.code, error.message) == (FailureCode.EXTERNAL_GPU_PRESSURE, f"GPU 1 (RTX 4090, 12.0 GiB): {pressed}; needs 5.0")
+
+
 async def test_waiting_requests_are_granted_in_class_order(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     held, token = await node.ask(gpu_memory="20GiB")
