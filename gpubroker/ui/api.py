@@ -737,7 +737,8 @@ async def events(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")
+    body, content_type = request.app[METRICS].negotiate(request.headers.get("Accept", ""))
+    return web.Response(body=body, headers={"Content-Type": content_type, "Vary": "Accept"})
 
 
 async def healthz(request: web.Request) -> web.Response:

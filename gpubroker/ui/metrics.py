@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -110,3 +111,9 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def negotiate(self, accept: str) -> tuple[bytes, str]:
+        """The exposition and its Content-Type for an Accept header, as prometheus_client's own handlers answer:
+        OpenMetrics to a scraper that asks for it (Prometheus does, first), else the text format with its version."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type

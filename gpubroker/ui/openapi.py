@@ -270,7 +270,15 @@ OPENAPI: dict[str, Any] = {
         "/metrics": {
             "get": {
                 "operationId": "metrics",
-                "responses": {"200": {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+                "responses": {
+                    "200": {
+                        "description": "the Prometheus text format, or OpenMetrics when the Accept header asks for it",
+                        "content": {
+                            "text/plain": {"schema": {"type": "string"}},
+                            "application/openmetrics-text": {"schema": {"type": "string"}},
+                        },
+                    }
+                },
             }
         },
         "/healthz": {

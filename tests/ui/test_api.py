@@ -655,6 +655,45 @@ async def test_healthz_and_metrics_say_when_the_store_cannot_be_written(tmp_path
         await broker.close()
 
 
+# What Prometheus 2 and 3 send when they scrape, and what they get: OpenMetrics, which they ask for first.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.5,text/plain;version=0.0.4;q=0.4,*/*;q=0.1",
+)
+
+
+async def test_metrics_answer_openmetrics_to_a_scraper_that_asks_for_it_and_versioned_text_to_others(tmp_path: Path) -> None:
+    """The text format was sent as a bare text/plain whatever was asked: no version, and never OpenMetrics."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker)))
+    await client.start_server()
+    try:
+        for accept in ("", "text/plain", "*/*"):  # curl, a browser, an old scraper
+            answer = await client.get("/metrics", headers={"Accept": accept} if accept else {})
+            assert answer.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8", accept
+            assert any(f.name == "gpubroker_requests" for f in text_string_to_metric_families(await answer.text()))
+        for accept in PROMETHEUS_ACCEPT:
+            answer = await client.get("/metrics", headers={"Accept": accept})
+            assert answer.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0;")
+            assert answer.headers["Vary"] == "Accept"
+            text = await answer.text()
+            assert text.endswith("# EOF\n")
+            families = {f.name: f for f in openmetrics_families(text)}
+            assert families["gpubroker_requests"].type == "counter"
+            assert families["gpubroker_grant_latency_seconds"].type == "histogram"
+            assert families["gpubroker_gpu_schedulable_bytes"].samples[0].labels["uuid"] == "GPU-fake-0"
+    finally:
+        await client.close()
+        await broker.close()
+
+
 async def test_an_event_whose_write_failed_is_not_said_to_be_dropped_to_those_reading_after_it(tmp_path: Path) -> None:
     """A write that fails (a full disk) takes its events' seqs with it: reading past that hole, `/v1/events` said the
     events there were "no longer kept (events_kept)", and `gpubroker events --follow` printed so at every failed write."""
