@@ -5,13 +5,24 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from gpubroker.broker.budget import FIGURES, over_declared
 from gpubroker.broker.service import LATENCY_BUCKETS, Broker
 from gpubroker.config import CLASSES
+
+# What each of the seven figures is, for a reader of the series who has no SPEC at hand.
+FIGURE_HELP = {
+    "total": "bytes of memory the GPU has",
+    "observed": "bytes in use on the GPU now as the driver reports them, every process's",
+    "external": "bytes in use that no lease or resident accounts for (observed less theirs), driver and context memory included",
+    "resident": "bytes held by resident model servers",
+    "leased": "bytes held for live leases: each lease's declared bytes, or what its processes use when that is more",
+    "reserve": "bytes kept free as the safety margin",
+    "schedulable": "bytes a new lease can be granted: total less external, resident, leased and reserve, at least 0",
+}
 
 
 class _BrokerCollector(Collector):
@@ -26,10 +37,15 @@ class _BrokerCollector(Collector):
         def per_gpu(name: str, documentation: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, documentation, labels=["uuid", "index", "name"])
 
-        figures = {name: per_gpu(f"gpubroker_gpu_{name}_bytes", f"the {name} figure of each GPU (SPEC §2)") for name in FIGURES}
-        unattributed = per_gpu("gpubroker_gpu_unattributed_bytes", "external memory that no process list explains")
+        figures = {name: per_gpu(f"gpubroker_gpu_{name}_bytes", FIGURE_HELP[name]) for name in FIGURES}
+        unattributed = per_gpu(
+            "gpubroker_gpu_unattributed_bytes",
+            "bytes of the external memory that no process list explains (absent while a listed process's use is unknown)",
+        )
         pressure = per_gpu("gpubroker_gpu_external_pressure", "1 while external usage has grown into leased or reserved memory")
-        observed_at = per_gpu("gpubroker_gpu_observed_timestamp_seconds", "when the reading the figures come from was taken")
+        observed_at = per_gpu(
+            "gpubroker_gpu_observed_timestamp_seconds", "when the reading the figures come from was taken, in Unix seconds"
+        )
         stale = per_gpu("gpubroker_gpu_stale", "1 while the reading is older than staleness: no decision is made on it")
         over = GaugeMetricFamily(
             "gpubroker_leases_over_declared", "live leases using more than 110% of what they declared", labels=["uuid"]
@@ -52,7 +68,11 @@ class _BrokerCollector(Collector):
         yield unattributed
         yield pressure
         yield over
-        leases = GaugeMetricFamily("gpubroker_leases", "leases by state and class", labels=["state", "priority"])
+        leases = GaugeMetricFamily(
+            "gpubroker_leases",
+            "granted leases (state granted) and requests waiting for one (state queued), by priority class",
+            labels=["state", "priority"],
+        )
         counts: dict[tuple[str, str], int] = {(s, c): 0 for s in ("queued", "granted") for c in CLASSES}
         for lease in broker.leases.values():
             if lease.live:  # not one whose release is on its way to disk
@@ -62,7 +82,7 @@ class _BrokerCollector(Collector):
         for (state, priority), count in counts.items():
             leases.add_metric([state, priority], count)
         yield leases
-        depth = GaugeMetricFamily("gpubroker_queue_depth", "requests waiting, by class", labels=["priority"])
+        depth = GaugeMetricFamily("gpubroker_queue_depth", "requests waiting for a lease, by priority class", labels=["priority"])
         for priority in CLASSES:
             depth.add_metric([priority], counts["queued", priority])
         yield depth
@@ -84,12 +104,17 @@ class _BrokerCollector(Collector):
             missing.add_metric([gpu["uuid"], str(gpu["index"])], 1.0)
         yield missing
         store = CounterMetricFamily(
-            "gpubroker_store_write_failures", "transactions the state store could not write (full, or a disk fault)"
+            "gpubroker_store_write_failures",
+            "transactions the state store could not write (full, or a disk fault), since the broker started",
         )
         store.add_metric([], broker.store.failures)
         yield store
         stats = broker.stats
-        requests = CounterMetricFamily("gpubroker_requests", "lease requests by result code (GRANTED or a failure code)", labels=["code"])
+        requests = CounterMetricFamily(
+            "gpubroker_requests",
+            "lease requests answered, by result code (GRANTED or a failure code), since the broker started",
+            labels=["code"],
+        )
         for code, count in sorted(stats.results.items()):
             requests.add_metric([code], count)
         yield requests
@@ -98,7 +123,8 @@ class _BrokerCollector(Collector):
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
         latency = HistogramMetricFamily(
-            "gpubroker_grant_latency_seconds", "time from request to durable grant, its wait in the queue included"
+            "gpubroker_grant_latency_seconds",
+            "seconds from a lease request to its durable grant, its wait in the queue included, since the broker started",
         )
         latency.add_metric([], buckets, sum_value=stats.grant_seconds)
         yield latency

@@ -694,6 +694,26 @@ async def test_metrics_answer_openmetrics_to_a_scraper_that_asks_for_it_and_vers
         await broker.close()
 
 
+async def test_every_metrics_help_says_what_its_series_is_in_its_unit_and_a_counter_since_when(tmp_path: Path) -> None:
+    """A dashboard's reader has the HELP text and no SPEC: the figures' said "the total figure of each GPU (SPEC §2)"."""
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    try:
+        families = list(text_string_to_metric_families(Metrics(broker).render().decode()))
+    finally:
+        await broker.close()
+    for family in families:
+        assert "SPEC" not in family.documentation and "§" not in family.documentation, family.name
+        if family.name.endswith("_bytes"):
+            assert "bytes" in family.documentation, family.name
+        if family.name.endswith("_seconds"):
+            assert "seconds" in family.documentation, family.name
+        if family.type in ("counter", "histogram"):  # kept in memory: a restart starts them again from 0
+            assert family.documentation.endswith("since the broker started"), family.name
+
+
 async def test_an_event_whose_write_failed_is_not_said_to_be_dropped_to_those_reading_after_it(tmp_path: Path) -> None:
     """A write that fails (a full disk) takes its events' seqs with it: reading past that hole, `/v1/events` said the
     events there were "no longer kept (events_kept)", and `gpubroker events --follow` printed so at every failed write."""
