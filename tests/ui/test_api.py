@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import socket as sockets
 import time
 from pathlib import Path
@@ -657,8 +658,7 @@ async def test_healthz_and_metrics_say_when_the_store_cannot_be_written(tmp_path
 
 # What Prometheus 2 and 3 send when they scrape, and what they get: OpenMetrics, which they ask for first.
 PROMETHEUS_ACCEPT = (
-    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
     "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8,application/openmetrics-text;version=0.0.1;q=0.75,"
     "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.5,text/plain;version=0.0.4;q=0.4,*/*;q=0.1",
 )
@@ -705,13 +705,37 @@ async def test_every_metrics_help_says_what_its_series_is_in_its_unit_and_a_coun
     finally:
         await broker.close()
     for family in families:
-        assert "SPEC" not in family.documentation and "§" not in family.documentation, family.name
+        assert "SPEC" not in family.documentation, family.name
+        assert "§" not in family.documentation, family.name
         if family.name.endswith("_bytes"):
             assert "bytes" in family.documentation, family.name
         if family.name.endswith("_seconds"):
             assert "seconds" in family.documentation, family.name
         if family.type in ("counter", "histogram"):  # kept in memory: a restart starts them again from 0
             assert family.documentation.endswith("since the broker started"), family.name
+
+
+def readme_metrics() -> set[str]:
+    """The series the README's Metrics section names, `gpubroker_gpu_{total,observed}_bytes` read as two."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text().split("### Metrics\n", 1)[1].split("\n### ", 1)[0]
+    documented = set()
+    for match in re.finditer(r"`(gpubroker_[a-z_]*)(?:\{([a-z,]+)\}([a-z_]*))?", readme):
+        head, alternatives, tail = match.groups()
+        documented |= {f"{head}{each}{tail}" for each in alternatives.split(",")} if alternatives and tail else {head}
+    return documented
+
+
+async def test_the_readmes_metrics_are_the_series_the_broker_serves(tmp_path: Path) -> None:
+    """The README's list had no names and left out unattributed, external pressure, over-declared and driver_ok."""
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    try:
+        served = set(re.findall(r"^# TYPE (\S+) ", Metrics(broker).render().decode(), re.MULTILINE))
+    finally:
+        await broker.close()
+    assert served == readme_metrics()
 
 
 async def test_an_event_whose_write_failed_is_not_said_to_be_dropped_to_those_reading_after_it(tmp_path: Path) -> None:
