@@ -11,7 +11,9 @@ A cluster is created once (`ClusterState.init`). A node joins it in one of two w
 Members replicate admissions and removals to each other with `export` and `merge`. Removals are tombstones
 that win over admissions for ever: a removed node cannot come back by a merge from a member that had not
 heard of the removal yet, at the price that a removed node id can never rejoin — a removed machine must
-make a new identity key (a new node id) to be admitted again.
+make a new identity key (a new node id) to be admitted again. Each member keeps the certificate a removed node
+was admitted with, when it knew it, so that the node, back after being down through its removal, is recognised
+when it calls and told.
 
 Everything here is synchronous and does no networking: the runtime proves that a peer holds the key of the
 certificate it presents (TLS) before it calls `redeem`, `ask` or `merge`, and calls them from one thread.
@@ -317,6 +319,7 @@ class ClusterState:
         incarnation: int = 0,
         keys_version: int = 0,
         removed_keys: set[str] | None = None,
+        removed_certs: dict[str, str] | None = None,
     ) -> None:
         self.path = path
         self.node_id = node_id  # this node's
@@ -324,6 +327,9 @@ class ClusterState:
         self.keyring = keyring
         self._members = members
         self._removed = removed or {}
+        # The certificate (PEM) each removed node was admitted with, by node id, where this node held it: what
+        # recognises the node when it calls again, so that it is told (tombstones carry no certificate).
+        self._removed_certs = removed_certs or {}
         self._pending = pending or {}
         self._invites = invites or {}
         self._generation = generation
@@ -419,6 +425,7 @@ class ClusterState:
                 int(doc["incarnation"]),
                 int(doc.get("keys_version", 0)),  # absent from a file written before keyring changes were ordered
                 {str(k) for k in doc.get("removed_keys", [])},
+                {str(nid): str(cert) for nid, cert in doc.get("removed_certs", {}).items()},  # absent before they were kept
             )
         except (ValueError, TypeError, KeyError, AttributeError, KeyringError) as exc:
             raise ClusterError(f"{path} is damaged: {type(exc).__name__}: {exc}") from None
@@ -437,6 +444,7 @@ class ClusterState:
             "incarnation": self._incarnation,
             "keys_version": self._keys_version,
             "removed_keys": sorted(self._removed_keys),
+            "removed_certs": self._removed_certs,
         }
         write_private(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
 
@@ -490,6 +498,11 @@ class ClusterState:
     def members_der(self) -> dict[str, bytes]:
         """Each member's certificate as DER, by node id: what the mutual TLS layer pins."""
         return {nid: _certificate(entry["cert"])[1] for nid, entry in self._members.items()}
+
+    def removed_der(self) -> dict[str, bytes]:
+        """The certificate each removed node was admitted with, as DER, by node id, where this node held it: the
+        mutual TLS layer admits it to be told of its removal, and to nothing else."""
+        return {nid: _certificate(cert)[1] for nid, cert in self._removed_certs.items()}
 
     def grant(self) -> JoinGrant:
         """What a newly admitted node receives."""
@@ -602,9 +615,16 @@ class ClusterState:
         if node_id not in self._members and node_id not in self._pending:
             raise ClusterError(f"unknown node {node_id}: neither a member nor asking to join", node_id)
         self._removed[node_id] = now
-        self._members.pop(node_id, None)
-        self._pending.pop(node_id, None)
+        self._forget_member(node_id)
         self._save()
+
+    def _forget_member(self, node_id: str) -> bool:
+        """Drop a removed node's admission or request, keeping the certificate it was admitted with; whether it had one."""
+        self._pending.pop(node_id, None)
+        entry = self._members.pop(node_id, None)
+        if entry is not None:
+            self._removed_certs[node_id] = entry["cert"]
+        return entry is not None
 
     # -- replication --------------------------------------------------------------------------------
 
@@ -631,8 +651,7 @@ class ClusterState:
                     changed.add(node_id)
                 self._removed[node_id] = at
                 dirty = True
-            self._members.pop(node_id, None)
-            self._pending.pop(node_id, None)
+            dirty |= self._forget_member(node_id)
         members = remote.get("members")
         for node_id, entry in members.items() if isinstance(members, dict) else ():
             if node_id in self._removed:

@@ -218,6 +218,7 @@ class Mesh:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _removed: bool = False
     _learning: set[str] = field(default_factory=set)
+    _told: set[str] = field(default_factory=set)  # removed nodes that called and were told so, in this run
     _fetching: set[str] = field(default_factory=set)  # nodes whose document is being fetched on sight
     _started: float = float("-inf")  # when run() began, on self.elapsed
 
@@ -252,7 +253,7 @@ class Mesh:
             size_of=lambda m: len(wire.encode(m)) - wire.HEADER_SIZE,
         )
         self._server = await PeerServer.start(
-            (self.settings.gossip[0], bound[1]), self.identity, self.cluster.members_der, self._on_request
+            (self.settings.gossip[0], bound[1]), self.identity, self.cluster.members_der, self._on_request, removed=self.cluster.removed_der
         )
         try:
             if self.settings.mdns:
@@ -567,7 +568,7 @@ class Mesh:
             for node in changed:
                 if node in members:
                     self._server.trust(members[node])
-        if self.cluster.is_removed(self.node_id):
+        if self.cluster.is_removed(self.node_id) and not self._removed:  # told once, though several members may tell it
             self.broker.record_event("mesh.removed", "this node was removed from its cluster; it stops gossiping", details={})
             self._removed = True  # the mesh stops; the broker goes on alone
 
@@ -577,6 +578,8 @@ class Mesh:
             if op == "join":
                 return self._join_request(request)
             return self._ask_request(request) if op == "ask" else {"error": "members only"}
+        if self.cluster.is_removed(peer):
+            return self._removed_request(peer)
         if op == "push_pull":
             self._merge_cluster(request.get("cluster"), sender=peer)
             self._learn_keys(request.get("primary"), request.get("keys"))
@@ -623,6 +626,16 @@ class Mesh:
                 return {"error": str(error)}
             return {"ok": True}
         return {"error": f"unknown op {op!r}"}
+
+    def _removed_request(self, peer: str) -> dict[str, Any]:
+        """A removed node that calls (back after being down through its removal, its join's push-pull) is answered
+        with the tombstones, as a push-pull carries them: it takes them in as a node told while up does, and stops."""
+        if peer not in self._told:
+            self._told.add(peer)
+            self.broker.record_event(
+                "mesh.member.removed", f"node {peer}, removed from the cluster, called and was told", details={"node": peer, "told": True}
+            )
+        return {"error": "this node was removed from the cluster", "removed": True, "cluster": {"removed": self.cluster.removed}}
 
     def _join_request(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -890,8 +903,9 @@ class Mesh:
 
     async def remove(self, node: str) -> dict[str, Any]:
         """A removed member's certificate is refused from its next connection on, everywhere the removal reaches; the
-        node itself is told, if it can be reached now, so that it stops (no member will talk to it again), and so are the
-        members alive now, by a push-pull each (the next periodic one is up to 30 s away)."""
+        node itself is told, if it can be reached now, so that it stops (no member will talk to it again), and otherwise
+        when it next calls a member that held its certificate (`_removed_request`); so are the members alive now, by a
+        push-pull each (the next periodic one is up to 30 s away)."""
         self._refuse_if_removed()
         der = self.cluster.members_der().get(node)
         member = self.membership.member(node) if self._membership is not None else None
@@ -911,7 +925,7 @@ class Mesh:
         told = der is not None and member is not None and member.state not in GONE and await self._tell_removed(node, member.addr, der)
         self.broker.record_event(
             "mesh.member.removed",
-            f"node {node} was removed from the cluster ({'it was told' if told else 'it could not be told, and will not be'})",
+            f"node {node} was removed from the cluster ({'it was told' if told else 'it could not be told now, and will be when it next calls a member'})",
             details={"node": node, "told": told},
         )
         return self.nodes_json()

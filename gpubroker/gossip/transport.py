@@ -20,7 +20,9 @@ The server admits a peer in two steps. OpenSSL verifies a client certificate aga
 certificates (the trust anchors); then, before a byte of application data is read, the certificate's node id
 must be in `members()` with that very certificate. The CA store cannot forget a certificate, so the second
 check is what makes `nodes remove` take effect at once; the server also rebuilds its context whenever
-`members()` changes, so a removed certificate stops passing the handshake too. A client without a certificate
+`members()` changes, so a removed certificate stops passing the handshake too. A removed node's certificate,
+when the server is given it (`removed()`), passes instead, for the node to be told of its removal: its requests
+are handed over as its own, and the handler answers a removed node nothing else. A client without a certificate
 may only ask for op "join" (the join handshake), in a smaller frame.
 """
 
@@ -363,14 +365,16 @@ class PeerServer:
         on_request: Callable[[str | None, dict[str, Any]], Awaitable[dict[str, Any]]],
         max_connections: int = MAX_CONNECTIONS,
         read_timeout: float = READ_TIMEOUT,
+        removed: Callable[[], Mapping[str, bytes]] = dict,
     ) -> None:
         self._identity = identity
         self._members = members
+        self._removed = removed
         self._on_request = on_request
         self.max_connections = max_connections
         self.read_timeout = read_timeout
         self._context: ssl.SSLContext | None = None
-        self._context_key: tuple[frozenset[str], str] = (frozenset(), "")
+        self._context_key: tuple[frozenset[str], frozenset[str], str] = (frozenset(), frozenset(), "")
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
         self.served = 0
@@ -386,9 +390,10 @@ class PeerServer:
         on_request: Callable[[str | None, dict[str, Any]], Awaitable[dict[str, Any]]],
         max_connections: int = MAX_CONNECTIONS,
         read_timeout: float = READ_TIMEOUT,
+        removed: Callable[[], Mapping[str, bytes]] = dict,
     ) -> PeerServer:
-        """Listen on `bind`; `members()` is asked on every connection; `on_request(None, ...)` is a join."""
-        server = cls(identity, members, on_request, max_connections, read_timeout)
+        """Listen on `bind`; `members()` and `removed()` are asked on every connection; `on_request(None, ...)` is a join."""
+        server = cls(identity, members, on_request, max_connections, read_timeout, removed)
         server.context()  # an identity without files fails here, at start, rather than at the first peer
         server._server = await asyncio.start_server(server._accept, bind[0], bind[1])
         return server
@@ -406,10 +411,14 @@ class PeerServer:
 
     def context(self) -> ssl.SSLContext:
         """The server context for the current members, rebuilt when `members()` or our certificate changes (a removed certificate is forgotten)."""
-        members = self._members()
-        key = (frozenset(fingerprint(der) for der in members.values()), self._identity.fingerprint())  # a renewed certificate too
+        members, removed = self._members(), self._removed()
+        key = (  # a renewed certificate of ours too
+            frozenset(fingerprint(der) for der in members.values()),
+            frozenset(fingerprint(der) for der in removed.values()),
+            self._identity.fingerprint(),
+        )
         if self._context is None or key != self._context_key:
-            self._context = server_context(self._identity, members)
+            self._context = server_context(self._identity, {**removed, **members})
             self._context_key = key
         return self._context
 
@@ -454,18 +463,19 @@ class PeerServer:
         await self._answer(writer, answer)
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[str | None, dict[str, Any]]:
-        """The peer's node id (None for a client without a certificate) and its request, or _Refused."""
+        """The peer's node id, a member's or a removed node's (None for a client without a certificate), and its request, or _Refused."""
         try:
             async with asyncio.timeout(self.read_timeout):
                 try:
                     await writer.start_tls(self.context(), ssl_handshake_timeout=self.read_timeout)
                 except (ssl.SSLError, OSError) as exc:
                     raise _Refused("handshake") from exc
-                # Checked before any application data is read: a removed member never gets as far as a request.
+                # Checked before any application data is read: a removed member gets as far as a request only where
+                # `removed()` names it, to be told it was removed.
                 der = _peer_certificate(writer)
                 peer = None
                 if der is not None:
-                    peer = _member_of(der, self._members())
+                    peer = _member_of(der, self._members()) or _member_of(der, self._removed())
                     if peer is None:
                         raise _Refused("not_member")
                 try:

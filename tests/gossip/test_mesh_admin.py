@@ -37,7 +37,10 @@ class Events:
     recorded: list[tuple[str, str]] = field(default_factory=list)
 
     def node_json(self) -> dict[str, Any]:
-        return {"gpus": []}
+        return {"node": {"name": self.config.name}, "gpus": [], "cpu": {}, "memory": {}, "queue": {}}
+
+    def list_leases(self, state: str, limit: int) -> list[Any]:
+        return []
 
     def record_event(self, kind: str, message: str, details: dict[str, Any]) -> None:
         self.recorded.append((kind, message))
@@ -57,7 +60,7 @@ async def start(tmp_path: Path, identity: Identity, name: str, cluster: ClusterS
         clock=clock.now,
         elapsed=clock.elapsed,
     )  # type: ignore[arg-type]
-    mesh._server = await PeerServer.start(("127.0.0.1", 0), identity, cluster.members_der, mesh._on_request)
+    mesh._server = await PeerServer.start(("127.0.0.1", 0), identity, cluster.members_der, mesh._on_request, removed=cluster.removed_der)
     mesh._membership = Membership(
         identity.node_id,
         mesh._server.address,
@@ -202,6 +205,44 @@ async def test_a_removed_node_is_told_by_its_remover_and_stops_showing_its_clust
     assert [(n["id"], n["state"]) for n in shown["nodes"]] == [(b.node_id, "removed")]  # nobody shown alive any more
     assert shown["coordinator"] is None
     assert {m["id"]: m["state"] for m in b.nodes_json()["members"]} == {a.node_id: "unknown"}  # not the "alive" it last heard
+
+
+async def test_a_node_removed_while_it_was_down_is_told_by_the_first_member_it_calls_and_stops(
+    tmp_path: Path, pair: tuple[Mesh, Mesh]
+) -> None:
+    """Removed while down, it started again as a member: every member refused its calls, unanswered, and it went on
+    alone, showing the members "unknown" and inviting nodes, with no word that it had been removed."""
+    a, b = pair
+    c_identity = Identity.load_or_create(tmp_path / "c")
+    secret = decode_token(a.cluster.invite(("127.0.0.1", 9741), a.identity, 600, NOW)).secret
+    grant = a.cluster.redeem(secret, c_identity.certificate_pem().decode(), "node-c", NOW, a.node_id)
+    c_cluster = ClusterState.adopt(tmp_path / "cluster-c", c_identity, "node-c", JoinGrant.from_dict(grant.to_dict()), now=NOW)
+    c = await start(tmp_path, c_identity, "node-c", c_cluster, clock := FakeClock(NOW))
+    try:
+        await c._push_pull(a.membership.addr)  # node-c knows node-b as a member, from node-a, and both as alive
+        await b._push_pull(a.membership.addr)  # and node-b node-c
+        await asyncio.gather(*a._tasks, *b._tasks, *c._tasks)  # the documents they fetch on sight
+        await stop(b)  # node-b is down
+        await a.remove(b.node_id)
+        await asyncio.gather(*a._tasks)  # its push-pull with node-c
+        said = a.broker.recorded[-1][1]  # type: ignore[attr-defined]
+        assert said == f"node {b.node_id} was removed from the cluster (it could not be told now, and will be when it next calls a member)"
+        assert c.cluster.is_removed(b.node_id)  # by node-a's push-pull: node-c keeps the certificate node-b was admitted with
+        assert ClusterState.load(tmp_path / "cluster-c").removed_der().keys() == {b.node_id}  # type: ignore[union-attr]
+
+        # node-b starts again with node-c as its seed: its join's push-pull is answered with the tombstones.
+        seed = c._server.address  # type: ignore[union-attr]
+        again = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1", (seed,), mdns=False), b.broker, b.identity, b.cluster, clock=clock.now)
+        await asyncio.wait_for(again.run(), 5)  # the mesh stops, as when told while up
+        assert again._removed
+        assert b.cluster.is_removed(b.node_id)
+        assert b.broker.recorded[-1] == ("mesh.removed", "this node was removed from its cluster; it stops gossiping")  # type: ignore[attr-defined]
+        assert [(n["id"], n["state"]) for n in again.cluster_json()["nodes"]] == [(b.node_id, "removed")]
+        assert c.broker.recorded[-1] == ("mesh.member.removed", f"node {b.node_id}, removed from the cluster, called and was told")  # type: ignore[attr-defined]
+        answer = await c._on_request(b.node_id, {"op": "document", "node": c.node_id})
+        assert answer.keys() == {"error", "removed", "cluster"}  # whatever it asks: nothing but its removal
+    finally:
+        await stop(c)
 
 
 async def test_a_removal_reaches_the_members_alive_at_once_not_at_their_next_push_pull(tmp_path: Path, pair: tuple[Mesh, Mesh]) -> None:
