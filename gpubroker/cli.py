@@ -954,7 +954,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--socket", metavar="PATH", help="Unix socket of the API")
     up.add_argument("--config", metavar="FILE", help="TOML configuration file")
     up.add_argument("--simulate-gpus", metavar="SPEC|FILE", help="simulated GPUs: 2x24GiB,1x12GiB or a TOML file")
-    up.add_argument("--name", help="this node's name (default: the hostname)")
+    up.add_argument("--name", help="this node's name (default: the name it was admitted to its cluster with, else the hostname)")
     up.add_argument("--gossip", metavar="HOST:PORT", help="where the mesh listens, UDP and TCP (default 0.0.0.0:9741)")
     up.add_argument("--advertise", metavar="HOST", help="the address peers should use to reach this node")
     up.add_argument("--peer", action="append", metavar="HOST:PORT", help="a seed member's gossip address (repeatable)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
+import json
 import os
 import re
 import tomllib
@@ -173,7 +174,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Unix socket of the HTTP API (default: $XDG_RUNTIME_DIR/gpubroker/api.sock, /run/gpubroker/api.sock as root, else in the state directory)",
         _path,
     ),
-    Setting("name", None, "this node's name (default: the hostname)", _node_name),
+    Setting("name", None, "this node's name (default: the name it was admitted to its cluster with, else the hostname)", _node_name),
     Setting(
         "simulate_gpus", None, "simulated GPUs instead of NVML: a spec like 2x24GiB,1x12GiB or a TOML file re-read at every sample", _text
     ),
@@ -313,6 +314,17 @@ def _parse_stamps(value: Any) -> tuple[Stamp, ...]:
     return tuple(stamps)
 
 
+def admitted_name(state_dir: Path) -> str | None:
+    """The name this node was admitted to its cluster with (given to `gpubroker init`, or to `up --join` or `--ask`), as
+    the cluster.json in `state_dir` records it: the name the node goes on with unless one is given. None in no cluster,
+    or where that file cannot be read (the broker says why when it starts)."""
+    try:
+        cluster = json.loads((state_dir / "cluster.json").read_bytes())
+        return _node_name(cluster["members"][cluster["node_id"]]["name"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 def load_config(path: Path | None = None, **overrides: Any) -> Config:
     """The Config from a TOML file (if any), then flags given as overrides (None = not given)."""
     values: dict[str, Any] = {}
@@ -334,6 +346,8 @@ def load_config(path: Path | None = None, **overrides: Any) -> Config:
     for name, value in overrides.items():
         if value is not None:
             values[name] = _parse_setting(name, value)
+    if "name" not in values and (admitted := admitted_name(values.get("state_dir") or default_state_dir())) is not None:
+        values["name"] = admitted
     config = replace(Config(), **values)
     if config.staleness <= config.sample_interval:  # both are set in the file alone (no flag gives either)
         raise ConfigError(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from socket import gethostname
 
 import pytest
 
 from gpubroker.config import SETTINGS, Config, ConfigError, Stamp, load_config
+from gpubroker.gossip.cluster import ClusterState, decode_token
+from gpubroker.gossip.identity import Identity
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -118,3 +122,24 @@ def test_a_file_not_in_utf8_is_named_with_its_line(tmp_path: Path) -> None:
     path.write_bytes(b'reserve = "2GiB"\n# r\xe9serve for the desktop\n')
     with pytest.raises(ConfigError, match=r"gpubroker.toml: not UTF-8, as a TOML file must be: byte 0xe9 at line 2"):
         load_config(path)
+
+
+def test_a_node_goes_on_with_the_name_it_was_admitted_with_unless_one_is_given(tmp_path: Path) -> None:
+    """`gpubroker init --name h6node`, then a plain `gpubroker up`: the node ran under the hostname, and `nodes list`
+    showed it as the hostname, admitted as h6node. So with a name given to `up --join` or `--ask`, at the next start."""
+    first, joined = tmp_path / "first", tmp_path / "joined"
+    founder = Identity.load_or_create(first)
+    cluster = ClusterState.init(first, founder, "h6node")
+    token = decode_token(cluster.invite(("127.0.0.1", 9), founder, 600, time.time()))
+    newcomer = Identity.load_or_create(joined)
+    grant = cluster.redeem(token.secret, newcomer.certificate_pem().decode(), "h7node", time.time(), founder.node_id)
+    ClusterState.adopt(joined, newcomer, "h7node", grant, token=token)
+    assert load_config(None, state_dir=str(first)).name == "h6node"
+    assert load_config(None, state_dir=str(joined)).name == "h7node"
+
+    assert load_config(None, state_dir=str(first), name="renamed").name == "renamed"  # `up --name`
+    path = tmp_path / "gpubroker.toml"
+    path.write_text(f'state_dir = "{first}"\nname = "from-file"\n')
+    assert load_config(path).name == "from-file"
+    (first / "cluster.json").write_text("{")  # damaged: the broker says so when it starts
+    assert load_config(None, state_dir=str(first)).name == gethostname()
