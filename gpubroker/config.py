@@ -220,7 +220,13 @@ SETTINGS: tuple[Setting, ...] = (
         _at_least(parse_size, 2**20, "1MiB"),
     ),
     Setting("gossip", "0.0.0.0:9741", "where the mesh listens, UDP and TCP (once this node belongs to a cluster)", _host_port),
-    Setting("advertise", None, "the address peers should use to reach this node (default: the first non-loopback IPv4 address)", _text),
+    Setting(
+        "advertise",
+        None,
+        "the address peers should use to reach this node (default: the address gossip is bound to; for a wildcard, "
+        "the first non-loopback IPv4 address)",
+        _text,
+    ),
     Setting("peers", (), "seed addresses HOST:PORT of other members, for networks where mDNS does not pass", _peers),
     Setting("coordinator_priority", 0, "lower is preferred when the mesh chooses its coordinator", _int),
     Setting("mdns", True, "find peers on the LAN by mDNS", _bool),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import logging
 import os
 import pwd
@@ -236,8 +237,15 @@ def _addr(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def default_advertise() -> str:
-    """The first non-loopback IPv4 address of this host, else loopback."""
+def default_advertise(gossip: str) -> str:
+    """Where peers reach a mesh listening on `gossip`: the address it is bound to, when it is bound to one (a name is
+    looked up as the bind looks it up); for a wildcard bind, the first non-loopback IPv4 address of this host, else
+    loopback."""
+    host, port = _addr(gossip)
+    with contextlib.suppress(OSError, UnicodeError):  # a name that does not resolve: the bind says so
+        bound = str(socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][4][0])
+        if not ipaddress.ip_address(bound.partition("%")[0]).is_unspecified:
+            return bound
     for addresses in psutil.net_if_addrs().values():
         for address in addresses:
             if address.family == socket.AF_INET and not address.address.startswith("127."):
@@ -268,7 +276,7 @@ def _mesh_settings(config: Config, seeds: tuple[tuple[str, int], ...]) -> Any:
 
     return MeshSettings(
         gossip=_addr(config.gossip),
-        advertise=config.advertise or default_advertise(),
+        advertise=config.advertise or default_advertise(config.gossip),
         peers=seeds,
         priority=config.coordinator_priority,
         mdns=config.mdns,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import os
 import pwd
@@ -20,6 +21,7 @@ import pytest
 from conftest import BrokerProcess, free_port, wait_for
 
 from gpubroker import daemon
+from gpubroker.config import Config
 
 
 def test_a_stale_socket_that_cannot_be_removed_is_a_start_error_saying_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,6 +251,17 @@ def test_a_join_token_that_cannot_be_read_is_refused_before_the_state_directory_
     assert refused.returncode == 2
     assert refused.stderr.startswith("gpubroker: cannot join: not a join token: it has '!' at character"), refused.stderr
     assert not state.exists()
+
+
+@pytest.mark.parametrize(("gossip", "advertised"), [("127.0.0.2:20100", "127.0.0.2"), ("[::1]:20100", "::1")])
+def test_a_mesh_bound_to_one_address_is_advertised_there(gossip: str, advertised: str) -> None:
+    """`up --gossip 127.0.0.1:PORT` without --advertise: `gpubroker invite` (and an --ask request, and mDNS) named the
+    machine's first non-loopback address, where nothing listened, so a join with that token failed."""
+    assert daemon._mesh_settings(Config(gossip=gossip), ()).advertise == advertised
+    assert daemon._mesh_settings(Config(gossip=gossip, advertise="10.1.2.3"), ()).advertise == "10.1.2.3"
+    wildcard = daemon._mesh_settings(Config(gossip="0.0.0.0:20100"), ()).advertise  # every address: one peers may reach
+    assert wildcard == daemon._mesh_settings(Config(gossip="[::]:20100"), ()).advertise
+    assert not ipaddress.ip_address(wildcard).is_unspecified
 
 
 @pytest.mark.slow
