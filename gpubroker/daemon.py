@@ -548,10 +548,11 @@ def run(config: Config, join: str | None = None, ask: bool = False) -> int:
         for gpu in broker.missing_json():  # the log says only what changes after the first reading
             held = f"leases {', '.join(gpu['leases'])} hold {gib(gpu['bytes'])} GiB on it"
             state += f" ({gpu['uuid']} is no longer listed by the driver: {held})"
+        # In full: a relative --state or --socket names nothing from another directory (a shell's GPUBROKER_URL=unix:…).
         print(
             f"gpubroker ready: node {config.name} ({broker.node_id}), {state}; "
-            f"API on unix:{config.socket_path} and {'https' if beyond_loopback(config) else 'http'}://{broker.config.listen}"
-            f"{' (signed-in UI, API token)' if config.ui_password_hash else ''}; state in {config.state_dir}",
+            f"API on unix:{config.socket_path.absolute()} and {'https' if beyond_loopback(config) else 'http'}://{broker.config.listen}"
+            f"{' (signed-in UI, API token)' if config.ui_password_hash else ''}; state in {config.state_dir.absolute()}",
             flush=True,
         )
         if broker.start_warning is not None:

@@ -7,6 +7,7 @@ import ipaddress
 import json
 import os
 import pwd
+import re
 import signal
 import socket
 import stat
@@ -21,6 +22,7 @@ import pytest
 from conftest import BrokerProcess, free_port, wait_for
 
 from gpubroker import daemon
+from gpubroker.client import Client, Endpoint
 from gpubroker.config import Config
 
 
@@ -214,6 +216,20 @@ def test_a_broker_started_with_sighup_ignored_goes_on_after_one(broker_process: 
     broker.proc.send_signal(signal.SIGHUP)  # an ignored signal is dropped as it is sent
     assert broker.client().call("GET", "/healthz")["ok"] is True
     assert broker.proc.poll() is None
+
+
+def test_the_ready_line_gives_a_relative_state_and_socket_in_full(
+    broker_process: type[BrokerProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpubroker up --state s2 --socket s2/api.sock` said "API on unix:s2/api.sock … state in s2": from any other
+    directory, GPUBROKER_URL set to what it said reached no broker."""
+    monkeypatch.chdir(tmp_path)
+    broker = broker_process("1x24GiB", ["--state", "s2", "--socket", "s2/api.sock"]).start()  # the later flags win
+    said = re.search(r"API on unix:(\S+) and .*; state in (\S+)$", broker.ready_line)
+    assert said is not None, broker.ready_line
+    assert said.groups() == (str(tmp_path.resolve() / "s2" / "api.sock"), str(tmp_path.resolve() / "s2"))
+    monkeypatch.chdir("/")
+    assert Client(Endpoint(f"unix:{said[1]}")).call("GET", "/healthz")["ok"] is True
 
 
 def test_leases_held_when_gpubroker_init_gives_the_node_its_identity_are_then_that_nodes(
