@@ -876,13 +876,24 @@ def cmd_password(args: argparse.Namespace) -> int:
 
     from gpubroker.ui.auth import hash_password
 
-    if sys.stdin.isatty():
-        password = getpass.getpass("UI password: ")
-        if getpass.getpass("again: ") != password:
-            print("gpubroker: the two passwords differ", file=sys.stderr)
-            return 2
-    else:
-        password = sys.stdin.readline().rstrip("\n")
+    try:
+        if sys.stdin is not None and sys.stdin.isatty():
+            password = getpass.getpass("UI password: ")
+            if getpass.getpass("again: ") != password:
+                print("gpubroker: the two passwords differ", file=sys.stderr)
+                return 2
+        else:
+            line = sys.stdin.readline() if sys.stdin is not None else ""  # None: standard input closed (`<&-`)
+            if not line:
+                raise EOFError
+            password = line.rstrip("\n")
+    except EOFError:  # an empty file, /dev/null, or Ctrl-D at the prompt: not a password too short
+        print(
+            "gpubroker: no password was read: standard input ended before one was given (type it when asked, in a terminal, "
+            "or give it as the first line of standard input)",
+            file=sys.stderr,
+        )
+        return 2
     if len(password.strip()) < 8:
         print("gpubroker: a UI password needs at least 8 characters besides spaces", file=sys.stderr)
         return 2

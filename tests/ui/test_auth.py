@@ -9,7 +9,12 @@ with GPUBROKER_URL, GPUBROKER_TOKEN and GPUBROKER_CA.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import pty
+import select
+import signal
 import socket
 import ssl
 import subprocess
@@ -307,6 +312,52 @@ def test_a_ui_password_of_fewer_than_8_characters_besides_spaces_is_refused(weak
     assert made.returncode == 2
     assert "at least 8 characters" in made.stderr
     assert made.stdout == ""
+
+
+NOTHING_READ = (
+    "gpubroker: no password was read: standard input ended before one was given (type it when asked, in a terminal, "
+    "or give it as the first line of standard input)\n"
+)
+
+
+@pytest.mark.parametrize("given", ["< /dev/null", "<&-"])
+def test_no_password_on_standard_input_is_said_to_be_none_not_one_too_short(given: str) -> None:
+    """`gpubroker password </dev/null` said the password needed at least 8 characters; with standard input closed it
+    ended in a traceback."""
+    made = subprocess.run(["sh", "-c", f'exec "$0" -m gpubroker password {given}', sys.executable], capture_output=True, text=True)
+    assert (made.returncode, made.stderr, made.stdout) == (2, NOTHING_READ, "")
+
+
+def test_ctrl_d_at_the_password_prompt_is_said_to_give_no_password() -> None:
+    """At a terminal, Ctrl-D at the prompt ended in a traceback (EOFError)."""
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child, on the terminal as its controlling one
+        try:
+            os.execv(sys.executable, [sys.executable, "-m", "gpubroker", "password"])
+        finally:
+            os._exit(127)  # never on into the tests
+    said = b""
+
+    def read() -> bytes:
+        if not select.select([terminal], [], [], 20)[0]:
+            raise AssertionError(f"nothing more said in 20 s: {said!r}")
+        return os.read(terminal, 1024)
+
+    try:
+        while b"UI password: " not in said:
+            said += read()
+        os.write(terminal, b"\x04")  # Ctrl-D
+        with contextlib.suppress(OSError):  # EIO once the child has gone: all it said has been read
+            while chunk := read():
+                said += chunk
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)  # not left waiting at its prompt
+        raise
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(terminal)
+    assert os.waitstatus_to_exitcode(status) == 2
+    assert said.decode().replace("\r\n", "\n").endswith(NOTHING_READ), said
 
 
 def test_with_a_password_it_serves_https_on_a_p256_certificate_and_the_cli_needs_the_token(
