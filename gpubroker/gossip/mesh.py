@@ -629,13 +629,15 @@ class Mesh:
 
     def _removed_request(self, peer: str) -> dict[str, Any]:
         """A removed node that calls (back after being down through its removal, its join's push-pull) is answered
-        with the tombstones, as a push-pull carries them: it takes them in as a node told while up does, and stops."""
+        with its own tombstone, as a push-pull carries tombstones: it takes it in as a node told while up does, and
+        stops. Its own alone: its certificate must not learn which other nodes were removed since, nor when."""
         if peer not in self._told:
             self._told.add(peer)
             self.broker.record_event(
                 "mesh.member.removed", f"node {peer}, removed from the cluster, called and was told", details={"node": peer, "told": True}
             )
-        return {"error": "this node was removed from the cluster", "removed": True, "cluster": {"removed": self.cluster.removed}}
+        own = {peer: self.cluster.removed[peer]}
+        return {"error": "this node was removed from the cluster", "removed": True, "cluster": {"removed": own}}
 
     def _join_request(self, request: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -23,7 +23,7 @@ from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.keyring import key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
 from gpubroker.gossip.mesh import Mesh, MeshSettings, _Meta, join_cluster
-from gpubroker.gossip.transport import PeerServer
+from gpubroker.gossip.transport import PeerServer, call_member
 from gpubroker.units import rfc3339
 
 NOW = 1_800_000_000.0
@@ -243,6 +243,38 @@ async def test_a_node_removed_while_it_was_down_is_told_by_the_first_member_it_c
         assert answer.keys() == {"error", "removed", "cluster"}  # whatever it asks: nothing but its removal
     finally:
         await stop(c)
+
+
+async def test_a_removed_node_that_calls_is_told_its_own_removal_and_nothing_else_whatever_it_asks(
+    tmp_path: Path, pair: tuple[Mesh, Mesh]
+) -> None:
+    """Its certificate passes the handshake so that it can be told; every op it sent was answered with every tombstone
+    the member held, so it learned which other nodes were removed, and when."""
+    a, b = pair
+    c = Identity.load_or_create(tmp_path / "c")
+    secret = decode_token(a.cluster.invite(("127.0.0.1", 9741), a.identity, 600, NOW)).secret
+    a.cluster.redeem(secret, c.certificate_pem().decode(), "node-c", NOW, a.node_id)
+    a.cluster.remove(c.node_id, NOW + 1)  # another node, removed before
+    await stop(b)  # node-b is down
+    await a.remove(b.node_id)
+    at = a.cluster.removed[b.node_id]
+    members = b.cluster.members_der()  # node-b still takes itself for a member
+    state = wire.encode(b.membership.push_pull_state())
+    keys = a.keys_json()
+    for request in (
+        {"op": "push_pull", "state": state, "cluster": b.cluster.export(), "primary": "", "keys": b.cluster.keys_state()},
+        {"op": "ping", "ping": b""},
+        {"op": "document", "node": a.node_id},
+        {"op": "release", "lease": "l-000000000000", "admin": "root"},
+        {"op": "removed", "cluster": b.cluster.export()},
+        {"op": "keys", "change": {"install": None}},
+        {"op": "join", "secret": secret, "cert": b.identity.certificate_pem().decode()},
+        {"op": "ask"},
+    ):
+        answer = await call_member(a._server.address, b.identity, members, request, expect=a.node_id)  # type: ignore[union-attr]
+        assert answer == {"error": "this node was removed from the cluster", "removed": True, "cluster": {"removed": {b.node_id: at}}}
+    assert a.keys_json() == keys  # nothing it asked was done
+    assert not a.cluster.is_member(b.node_id)
 
 
 async def test_a_removal_reaches_the_members_alive_at_once_not_at_their_next_push_pull(tmp_path: Path, pair: tuple[Mesh, Mesh]) -> None:
