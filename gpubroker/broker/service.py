@@ -970,7 +970,9 @@ class Broker:
         kept = {**details, "priority": request.priority} if waited else self.refusals.keep({**details, "priority": request.priority})
         if kept is not None:
             gpu = details.get("gpu") if isinstance(details.get("gpu"), str) else None
-            self._record(self._event("lease.refused", refusal.message, code=refusal.code, lease=waited, gpu=gpu, details=kept))
+            named = waited or details.get("lease")  # a request refused as the broker stops is named though it never waited
+            lease = named if isinstance(named, str) else None
+            self._record(self._event("lease.refused", refusal.message, code=refusal.code, lease=lease, gpu=gpu, details=kept))
         return refusal
 
     def _grant(self, waiter: Waiter, placement: Placement) -> tuple[Lease, str, list[Write]]:
@@ -1542,9 +1544,17 @@ class Broker:
             event["gpu"] = gpu
         return Write("events", seq_key(self._event_seq), event)
 
-    def record_event(self, type_: str, message: str, *, details: dict[str, Any] | None = None, code: FailureCode | None = None) -> None:
-        """An event from outside the broker (the mesh), kept and served with the broker's own."""
-        self._record(self._event(type_, message, code=code, details=details))
+    def record_event(
+        self,
+        type_: str,
+        message: str,
+        *,
+        details: dict[str, Any] | None = None,
+        code: FailureCode | None = None,
+        lease: str | None = None,
+    ) -> None:
+        """An event from outside the broker (the mesh, the API), kept and served with the broker's own."""
+        self._record(self._event(type_, message, code=code, lease=lease, details=details))
 
     def _record(self, *writes: Write) -> None:
         """Events with nobody waiting on them: they ride the next commit."""

@@ -239,11 +239,13 @@ def _refusal(request: web.Request, error: BrokerError) -> web.Response:
         broker = request.app[BROKER]
         details = broker.refusals.keep(_text({**error.details, "method": request.method, "path": request.path}))
         if details is not None:
+            named = details.get("lease")  # a refusal about a lease or a waiting request is found by its `lease`, as theirs are
             broker.record_event(
                 "request.refused",
                 _text(f"{request.method} {request.path}: {error.message}", 4 * MAX_KEPT),
                 code=error.code,
                 details=details,
+                lease=named if isinstance(named, str) else None,
             )
     answer = _error(error)
     if _awaits_continue(request):

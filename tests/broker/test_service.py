@@ -1984,6 +1984,17 @@ async def test_once_stopping_a_request_that_would_wait_is_answered_at_once_not_q
     assert lease["state"] == "granted"
 
 
+async def test_a_request_refused_as_the_broker_stops_is_named_in_its_events_lease(make_node: Callable[..., Any]) -> None:
+    """Its message and details named the request, and its event had no `lease`: found by neither a filter on it nor the UI."""
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    node.broker.stop_waiting()
+    error = await asyncio.wait_for(node.refused(gpu_memory="10GiB", wait="1h"), 5)
+    await node.broker.store.commit([])
+    (event,) = [e for e in await node.events() if e["type"] == "lease.refused"]
+    assert event["lease"] == error.details["lease"]
+
+
 async def test_the_refusal_that_ends_a_wait_names_the_request_and_is_kept_whatever_the_refusal_budget(
     make_node: Callable[..., Any],
 ) -> None:

@@ -870,3 +870,23 @@ async def test_a_unix_callers_start_time_is_read_once_for_its_connection_on_its_
     finally:
         await runner.cleanup()
         await broker.close()
+
+
+async def test_a_refused_call_on_a_lease_is_an_event_found_by_that_lease(tmp_path: Path) -> None:
+    """A refused renewal or release named its lease in `details.lease` alone: an event filter on `lease` missed it."""
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    client: TestClient[Any, Any] = TestClient(TestServer(make_app(broker)))
+    await client.start_server()
+    try:
+        before = broker.last_event_seq
+        assert (await client.post("/v1/leases/l-gone/renew", json={})).status == 404
+        assert (await client.get("/v1/leases", params={"state": "nothing"})).status == 400
+        await broker.store.commit([])
+        answer = await (await client.get("/v1/events", params={"after": str(before)})).json()
+        assert [(e["type"], e.get("lease")) for e in answer["events"]] == [("request.refused", "l-gone"), ("request.refused", None)]
+    finally:
+        await client.close()
+        await broker.close()
