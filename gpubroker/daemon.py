@@ -291,7 +291,7 @@ async def _ask_then_mesh(config: Config, broker: Broker, slot: MeshSlot) -> None
     settings = _mesh_settings(config, tuple(_addr(p) for p in config.peers))
     asker = Asker(settings, identity, config.name, config.state_dir, lambda kind, text: broker.record_event(kind, text))
     cluster = await asker.run()
-    broker.record_event("mesh.join.admitted", "this node was approved and joins its cluster")
+    broker.record_event("mesh.join.admitted", "this node was approved and joins its cluster", details={"node": identity.node_id})
     slot.mesh = Mesh(settings, broker, identity, cluster)
     await slot.mesh.run()
 

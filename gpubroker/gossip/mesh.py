@@ -46,7 +46,7 @@ from gpubroker.gossip.keyring import cluster_hash, key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig, MemberView
 from gpubroker.gossip.messages import Addr, DocumentNotice, MemberState, Message, PushPull
 from gpubroker.gossip.transport import Datagrams, PeerError, PeerServer, PeerUnreachable, call_for_join, call_member, call_unpinned
-from gpubroker.units import rfc3339
+from gpubroker.units import printable_text, rfc3339
 
 log = logging.getLogger(__name__)
 PUBLISH_EVERY = 0.5  # seconds between looks at our own figures; the Publisher keeps versions ≥ 1 s apart
@@ -106,6 +106,7 @@ async def join_cluster(token: str, identity: Identity, name: str, state_dir: Any
 
 ASK_EVERY = 2.0  # seconds between a waiting node's requests to the members it found
 ASK_FRESH = 120.0  # a request's proof is good for this long either way of the member's clock
+MAX_SAID = 256  # characters of a refused joiner's error an event keeps, as the API keeps of a caller's text
 
 
 def ask_proof(server_fingerprint: str, at: float) -> bytes:
@@ -645,12 +646,24 @@ class Mesh:
                 bytes(request["secret"]), str(request["cert"]), str(request.get("name", "")), self.clock(), self.node_id
             )
         except (ClusterError, KeyError, TypeError, ValueError) as error:
-            self.broker.record_event("mesh.join.refused", f"a join was refused: {error}", details={})
+            # Anyone who reaches the gossip port may ask: kept within the budget of every refusal's event, as a refused
+            # sign-in is, so a flood of them does not push the leases' events out of those kept.
+            why = printable_text(str(error) if isinstance(error, ClusterError) else f"not a join request ({error!r})")[:MAX_SAID]
+            details = self.broker.refusals.keep({"reason": why})
+            if details is not None:
+                self.broker.record_event("mesh.join.refused", f"a join was refused: {why}", code=FailureCode.UNAUTHORIZED, details=details)
             return {"error": str(error)}
         if self._server is not None:
             for der in self.cluster.members_der().values():
                 self._server.trust(der)
-        self.broker.record_event("mesh.join.admitted", f"node {request.get('name')} was admitted with a join token", details={})
+        node = node_id_of_certificate(
+            x509.load_pem_x509_certificate(str(request["cert"]).encode()).public_bytes(serialization.Encoding.DER)
+        )
+        self.broker.record_event(
+            "mesh.join.admitted",
+            f"node {request.get('name')} ({node}) was admitted with a join token",
+            details={"node": node, "name": request.get("name")},
+        )
         return {"grant": grant.to_dict()}
 
     def _ask_request(self, request: dict[str, Any]) -> dict[str, Any]:

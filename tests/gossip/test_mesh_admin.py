@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeClock
+from fakes import FakeClock, FakeGpuProbe
 
+from gpubroker.broker.service import Broker, RefusalBudget
+from gpubroker.broker.store import Store
 from gpubroker.config import Config
 from gpubroker.errors import BrokerError
 from gpubroker.gossip import wire
@@ -331,3 +333,33 @@ async def test_an_export_that_marks_its_own_sender_removed_is_not_taken_from_it(
     assert answer == {"removed": False}
     assert not a.cluster.is_removed(a.node_id)
     assert not a._removed
+
+
+async def test_refused_joins_are_failures_kept_within_the_refusal_budget_and_an_admission_names_the_node(tmp_path: Path) -> None:
+    """Anyone reaching the gossip port could ask to join with a wrong token: every refusal was an event, without a code,
+    as many as were sent (pushing the leases' events out of those kept); an admission named no node id."""
+    a, b = (Identity.load_or_create(tmp_path / name) for name in ("a", "b"))
+    cluster = ClusterState.init(tmp_path / "cluster-a", a, "node-a", now=NOW)
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="node-a")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    try:
+        mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1", mdns=False), broker, a, cluster, clock=clock.now, elapsed=clock.elapsed)
+        before = broker.last_event_seq
+        cert = b.certificate_pem().decode()
+        for _ in range(int(RefusalBudget.BURST) + 50):
+            assert "error" in mesh._join_request({"op": "join", "secret": b"guessed", "cert": cert, "name": "node-b"})
+        secret = decode_token(cluster.invite(("127.0.0.1", 9741), a, 600, NOW)).secret
+        assert "grant" in mesh._join_request({"op": "join", "secret": secret, "cert": cert, "name": "node-b"})
+        await broker.store.commit([])
+        events, _ = broker.events(before, 1000)
+    finally:
+        await broker.close()
+    refused = [e for e in events if e["type"] == "mesh.join.refused"]
+    assert len(refused) == RefusalBudget.BURST
+    assert {e["code"] for e in refused} == {"UNAUTHORIZED"}
+    assert refused[0]["details"] == {"reason": "this join token was not issued here (or expired long ago)"}
+    assert events[-1]["type"] == "mesh.join.admitted"
+    assert events[-1]["details"] == {"node": b.node_id, "name": "node-b"}
+    assert b.node_id in events[-1]["message"]
