@@ -778,8 +778,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             elif args.json:  # following: one JSON object per line, as each comes
                 print(json.dumps(event, sort_keys=True), flush=True)
             else:
-                code = f" {event['code']}" if event.get("code") else ""
-                print(f"{event['seq']:>6} {event['time']} {event['type']}{code}: {event['message']}", flush=True)
+                print(_event_line(event), flush=True)
         after = answer["next"]
         if len(answer["events"]) == EVENTS_PAGE:
             continue  # more kept than one page: every one is printed, not the oldest thousand
@@ -788,6 +787,13 @@ def cmd_events(args: argparse.Namespace) -> int:
                 _print_json(listed)
             return 0
         time.sleep(1.0)
+
+
+def _event_line(event: dict[str, Any]) -> str:
+    """An event as `gpubroker events` prints it: one line, whatever its message holds (a driver's or a peer's text
+    with a line break or an escape sequence would forge lines or act on the terminal)."""
+    code = f" {event['code']}" if event.get("code") else ""
+    return printable_text(f"{event['seq']:>6} {event['time']} {event['type']}{code}: {event['message']}")
 
 
 def cmd_init(args: argparse.Namespace) -> int:

@@ -20,11 +20,15 @@ from typing import Any
 import psutil
 import pytest
 from conftest import free_port, wait_for
+from fakes import FakeClock, FakeGpuProbe
 
 from gpubroker import cli
 from gpubroker import client as client_module
 from gpubroker.broker import holders
+from gpubroker.broker.service import Broker
+from gpubroker.broker.store import Store
 from gpubroker.client import Client, ClientError, Endpoint
+from gpubroker.config import Config
 
 
 @pytest.fixture
@@ -606,3 +610,20 @@ def test_a_broker_that_takes_a_request_and_never_answers_is_given_up_on_and_a_sl
     finally:
         server.close()
     assert (cli._patience(1.0), cli._patience(6.0), cli._patience(300.0)) == (1.0, 2.0, 10.0)
+
+
+async def test_each_event_is_one_line_of_gpubroker_events_whatever_its_message_holds(tmp_path: Path) -> None:
+    """A driver's error with a line break (a simulation file's `unreadable`, a peer's refusal) printed as two lines, the
+    second with no seq or type, and an escape sequence in it acted on the terminal."""
+    clock = FakeClock(1_800_000_000.0)
+    config = Config(state_dir=tmp_path / "state", name="tower")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    try:
+        broker.apply_sample(None, "GPU is lost\n\x1b[2Jwhole screen cleared")
+        await broker.store.commit([])
+        events, _ = broker.events(0, 100)
+    finally:
+        await broker.close()
+    (line,) = [cli._event_line(e) for e in events if e["type"] == "gpu.driver_error"]
+    assert line.endswith(" gpu.driver_error DRIVER_ERROR: GPUs cannot be read: GPU is lost\\x0a\\x1b[2Jwhole screen cleared")
