@@ -516,7 +516,8 @@ OPENAPI: dict[str, Any] = {
                     "type": {
                         "type": "string",
                         "description": "what happened: lease.granted, lease.released, lease.expired, lease.work_stopped (the work an "
-                        "ended lease left running was stopped; details: pgids, signal, killed, grace), gpu.pressure.started, ...",
+                        "ended lease left running was stopped; details: pgids, signal, killed, grace), gpu.pressure.started, ... "
+                        "(the README's Events section lists every type, with its details)",
                     },
                     "code": {"type": "string"},
                     "message": {"type": "string"},

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import BrokerProcess
+from emitted import event_types
 from fakes import GIB, FakeClock, FakeGpuProbe
 from hypothesis import given
 from hypothesis import strategies as st
@@ -34,6 +35,7 @@ from gpubroker.gossip.mesh import Mesh, MeshSettings
 from gpubroker.gossip.messages import MemberState
 from gpubroker.ui.api import decode_json, loopback_peer_uid, make_app
 from gpubroker.ui.metrics import Metrics
+from gpubroker.ui.openapi import OPENAPI
 
 # JSON values as json.dumps writes them: a dictionary's keys are each given once.
 JSON_VALUES = st.recursive(
@@ -736,6 +738,27 @@ async def test_the_readmes_metrics_are_the_series_the_broker_serves(tmp_path: Pa
     finally:
         await broker.close()
     assert served == readme_metrics()
+
+
+EVENT_NAME = r"`?((?:broker|lease|gpu|mesh|request|ui)\.[a-z_]+(?:\.[a-z_]+)*)`?"
+
+
+def test_the_readmes_events_are_every_type_the_code_records_and_no_other() -> None:
+    """The README listed no event types, and the OpenAPI document a few, ending in "...": a user could not know what to
+    watch for. Every type recorded is in the README's Events table, and every type named anywhere in it or in the
+    OpenAPI document is one recorded."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Events\n", 1)[1].split("\n### ", 1)[0]
+    listed = re.findall(r"^\| `([^`]+)` \|", table, re.MULTILINE)
+    recorded = event_types()
+    assert len(listed) == len(set(listed))
+    assert set(listed) == recorded, (sorted(recorded - set(listed)), sorted(set(listed) - recorded))
+    named = set(re.findall(f"`{EVENT_NAME}`", readme))
+    assert named <= recorded, sorted(named - recorded)
+    schema = json.dumps(OPENAPI["components"]["schemas"]["Event"])
+    named = set(re.findall(EVENT_NAME, schema))
+    assert named
+    assert named <= recorded, sorted(named - recorded)
 
 
 async def test_an_event_whose_write_failed_is_not_said_to_be_dropped_to_those_reading_after_it(tmp_path: Path) -> None:

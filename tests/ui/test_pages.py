@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -21,6 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import BrokerProcess, wait_for
+from emitted import event_types
 from fakes import GIB, FakeClock, FakeGpuProbe
 
 from gpubroker.broker.service import Broker
@@ -516,9 +516,7 @@ async def test_the_sign_in_page_of_a_node_without_a_password_says_there_is_nothi
 def test_every_event_type_the_broker_records_is_one_the_pages_listen_for() -> None:
     """A browser's EventSource hands a page only the named events it listens for: a type missing here never shows
     live (a refused sign-in, a GPU gone), and the page's resume point does not move past it."""
-    source = "\n".join(path.read_text() for path in Path(stream.__file__).parent.parent.rglob("*.py"))
-    recorded = set(re.findall(r"(?:_event|record_event)\(\s*\"([a-z_.]+)\"", source))
-    recorded |= {f"mesh.member.{kind}" for kind in ("dead", "left", "joined", "alive")}  # as _member_event names them
+    recorded = event_types()
     assert len(recorded) > 25  # the scan finds them
     assert recorded <= set(stream.EVENT_TYPES), sorted(recorded - set(stream.EVENT_TYPES))
 
