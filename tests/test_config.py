@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import time
+import tomllib
 from pathlib import Path
 from socket import gethostname
 
 import pytest
 
-from gpubroker.config import SETTINGS, Config, ConfigError, Stamp, load_config
+from gpubroker.config import SETTINGS, Config, ConfigError, Setting, Stamp, load_config
 from gpubroker.gossip.cluster import ClusterState, decode_token
 from gpubroker.gossip.identity import Identity
 
@@ -143,3 +145,31 @@ def test_a_node_goes_on_with_the_name_it_was_admitted_with_unless_one_is_given(t
     assert load_config(path).name == "from-file"
     (first / "cluster.json").write_text("{")  # damaged: the broker says so when it starts
     assert load_config(None, state_dir=str(first)).name == gethostname()
+
+
+def _readme_settings() -> dict[str, str]:
+    """The README's settings table: each setting's name and its default as written there."""
+    rows = re.findall(r"^\| `(\w+)` \| (.+?) \| .+ \|$", README.read_text().partition("## Settings")[2], re.MULTILINE)
+    return dict(rows)
+
+
+def test_the_readme_documents_the_settings_read_and_no_other() -> None:
+    """A setting renamed or dropped in the code must not stay documented (a homelab user's file would be refused)."""
+    assert list(_readme_settings()) == [s.name for s in SETTINGS]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s.name for s in SETTINGS])
+def test_each_default_in_the_readme_is_the_one_used(setting: Setting) -> None:
+    """A default given in backticks is a value the file could hold, read as the file's would be; a default that is
+    worked out at start (the hostname, a path) is described instead."""
+    written = _readme_settings()[setting.name]
+    if setting.default is None:
+        assert not re.fullmatch(r"`[^`]+`", written), f"{setting.name} has no fixed default, but the README gives {written}"
+        return
+    assert re.fullmatch(r"`[^`]+`", written), f"{setting.name}'s default ({setting.default!r}) is not written as a value: {written}"
+    try:
+        value = tomllib.loads(f"value = {written.strip('`')}")["value"]
+    except tomllib.TOMLDecodeError:  # 5s, 1GiB, 127.0.0.1:9740: written bare, quoted in a file
+        value = written.strip("`")
+    assert setting.parse(value) == setting.default
+    assert getattr(Config(), setting.name) == setting.default
