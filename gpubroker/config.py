@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import ipaddress
 import json
 import os
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from socket import gethostname
@@ -294,10 +295,18 @@ class ConfigError(ValueError):
     """A configuration file or flag that cannot be used, named with the setting."""
 
 
+def _nearest(name: str, known: Iterable[str]) -> str:
+    """` (did you mean reserve?)` for a misspelt `reseve` or `Reserve`, else nothing."""
+    close = difflib.get_close_matches(name.lower(), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _parse_setting(name: str, value: Any) -> Any:
     setting = _BY_NAME.get(name)
     if setting is None:
-        raise ConfigError(f"unknown setting {name!r}; the settings are: {', '.join(_BY_NAME)}")
+        raise ConfigError(
+            f"unknown setting {name!r}{_nearest(name, [*_BY_NAME, 'stamp'])}; the settings are: {', '.join(_BY_NAME)}, [[stamp]]"
+        )
     try:
         return setting.parse(value)
     except (ValueError, UnitError, TypeError) as error:
@@ -308,9 +317,15 @@ def _parse_stamps(value: Any) -> tuple[Stamp, ...]:
     if not isinstance(value, list):
         raise ConfigError("[[stamp]] must be a list of tables with priority and user or holder")
     stamps = []
+    keys = ("priority", "user", "holder")
     for table in value:
-        if not isinstance(table, dict) or set(table) - {"priority", "user", "holder"}:
+        if not isinstance(table, dict):
             raise ConfigError(f"[[stamp]] {table!r}: only priority, user and holder are allowed")
+        for key in table:
+            if key not in keys:
+                raise ConfigError(
+                    f"[[stamp]] {table!r}: unknown key {key!r}{_nearest(key, keys)}; only priority, user and holder are allowed"
+                )
         if table.get("priority") not in CLASSES:
             raise ConfigError(f"[[stamp]] {table!r}: priority must be one of {', '.join(CLASSES)}")
         if "user" not in table and "holder" not in table:

@@ -78,6 +78,26 @@ def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, named: str) -
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('reseve = "2GiB"', "unknown setting 'reseve' (did you mean reserve?); the settings are: state_dir, "),
+        ('Reserve = "2GiB"', "unknown setting 'Reserve' (did you mean reserve?)"),
+        ("leases_keep = 50", "unknown setting 'leases_keep' (did you mean leases_kept?)"),
+        ('[[stamps]]\nuser = "shadow"\npriority = "background"', "unknown setting 'stamps' (did you mean stamp?)"),
+        ('[[stamp]]\nusr = "shadow"\npriority = "background"', "unknown key 'usr' (did you mean user?); only priority, user and holder"),
+    ],
+)
+def test_a_misspelt_setting_is_refused_naming_the_nearest_one(tmp_path: Path, text: str, named: str) -> None:
+    """A user reading `unknown setting 'reseve'` followed by 24 names had to find the one meant."""
+    path = tmp_path / "gpubroker.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert named in str(refused.value)
+    assert str(refused.value).startswith(f"{path}: ")
+
+
 def test_a_mistake_in_the_file_names_the_file_and_one_in_a_flag_does_not(tmp_path: Path) -> None:
     """A setting may be given in the file or as a flag (`--simulate-gpus`, `--listen`): the message says which to fix."""
     path = tmp_path / "gpubroker.toml"
