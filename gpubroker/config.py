@@ -330,8 +330,11 @@ def _parse_stamps(value: Any) -> tuple[Stamp, ...]:
             raise ConfigError(f"[[stamp]] {table!r}: priority must be one of {', '.join(CLASSES)}")
         if "user" not in table and "holder" not in table:
             raise ConfigError(f"[[stamp]] {table!r}: name a user or a holder pattern")
-        user, holder = table.get("user"), table.get("holder")
-        stamps.append(Stamp(table["priority"], str(user) if user is not None else None, str(holder) if holder is not None else None))
+        for key in ("user", "holder"):  # a uid given as a number (user = 1000) would be compared with user names, never matching
+            if key in table and (not isinstance(table[key], str) or not table[key].strip()):
+                what = "a Unix user's name" if key == "user" else "a holder name pattern"
+                raise ConfigError(f"[[stamp]] {table!r}: {key} must be {what}, quoted and not empty")
+        stamps.append(Stamp(table["priority"], table.get("user"), table.get("holder")))
     return tuple(stamps)
 
 
