@@ -153,6 +153,15 @@ def _is_address(text: str) -> bool:
     return True
 
 
+def _advertise(value: Any) -> str:
+    """A host name or address alone: peers are given it with the gossip port, so `10.0.0.5:9741` would be called
+    at `10.0.0.5:9741` port 9741, and never answer."""
+    host = _text(value)
+    if not _HOST_NAME.fullmatch(host) and not _is_address(host):
+        raise ValueError(f"{host!r} is not a host name or address: give it with no port or brackets, as 192.168.1.20 or tower.lan")
+    return host
+
+
 def _password_hash(value: Any) -> str:
     from gpubroker.ui.auth import parse_hash  # standard library only; imported where used
 
@@ -224,9 +233,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "advertise",
         None,
-        "the address peers should use to reach this node (default: the address gossip is bound to; for a wildcard, "
-        "the first non-loopback IPv4 address)",
-        _text,
+        "the address peers should use to reach this node, no port (default: the address gossip is bound to; for a "
+        "wildcard, the first non-loopback IPv4 address)",
+        _advertise,
     ),
     Setting("peers", (), "seed addresses HOST:PORT of other members, for networks where mDNS does not pass", _peers),
     Setting("coordinator_priority", 0, "lower is preferred when the mesh chooses its coordinator", _int),

@@ -59,6 +59,9 @@ def test_a_file_and_flags_make_one_config_with_flags_winning(tmp_path: Path) -> 
         ('[[stamp]]\npriority = "background"\nuser = ""', "user must be a Unix user's name, quoted and not empty"),
         ('[[stamp]]\npriority = "background"\nholder = ["tdarr*"]', "holder must be a holder name pattern, quoted and not empty"),
         ('[[stamp]]\npriority = "background"\nholder = " "', "holder must be a holder name pattern, quoted and not empty"),
+        ('advertise = "192.168.1.20:9741"', "setting advertise: '192.168.1.20:9741' is not a host name or address: give it with no port"),
+        ('advertise = "[fe80::1]"', "setting advertise: .* is not a host name or address"),
+        ('advertise = "tower lan"', "setting advertise: 'tower lan' is not a host name or address"),
         ("not toml ===", "gpubroker.toml"),
         ('name = ""', "setting name: '' is not a node name"),
         ('name = "   "', "setting name: '   ' is not a node name"),
@@ -135,6 +138,17 @@ def test_allowed_hosts_are_names_and_addresses_as_a_host_header_names_them(tmp_p
     path = tmp_path / "gpubroker.toml"
     path.write_text('allowed_hosts = ["tower.lan", "gpu-box_2", "10.0.0.5", "fe80::1"]\n')
     assert load_config(path).allowed_hosts == ("tower.lan", "gpu-box_2", "10.0.0.5", "fe80::1")
+
+
+@pytest.mark.parametrize("given", ["192.168.1.20", "tower.lan", "fe80::1"])
+def test_advertise_takes_a_host_name_or_address(given: str) -> None:
+    assert load_config(None, advertise=given).advertise == given
+
+
+def test_advertise_given_with_a_port_as_a_flag_is_refused() -> None:
+    """`--advertise 192.168.1.20:9741` started a node its peers called at that text, port 9741, never reaching it."""
+    with pytest.raises(ConfigError, match=r"^setting advertise: '192\.168\.1\.20:9741' is not a host name or address"):
+        load_config(None, advertise="192.168.1.20:9741")
 
 
 def test_a_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
