@@ -38,12 +38,21 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
 
 
+def _config_file(given: str | None) -> Path | None:
+    """`--config FILE`; an empty FILE (`--config "$CONF"` with CONF unset) is refused, never run as no file at all."""
+    if given is None:
+        return None
+    if not given:
+        raise ConfigError("--config names no file (it was given an empty name): give the TOML file, or leave --config out")
+    return Path(given)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from gpubroker import daemon  # the server's imports are not needed by the other commands
 
     try:
         config = load_config(
-            Path(args.config) if args.config else None,
+            _config_file(args.config),
             state_dir=args.state,
             listen=args.listen,
             socket=args.socket,
@@ -803,7 +812,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     from gpubroker.gossip.keyring import cluster_hash
 
     try:
-        config = load_config(Path(args.config) if args.config else None, state_dir=args.state, name=args.name)
+        config = load_config(_config_file(args.config), state_dir=args.state, name=args.name)
         os.close(lock_state(config.state_dir))  # a running broker would go on as the node it was, in no cluster
         identity = load_identity(config.state_dir)
         cluster = ClusterState.init(config.state_dir, identity, config.name)
@@ -912,7 +921,7 @@ def cmd_token(args: argparse.Namespace) -> int:
     from gpubroker.ui.auth import load_or_create_api_token
 
     try:
-        config = load_config(Path(args.config) if args.config else None, state_dir=args.state)
+        config = load_config(_config_file(args.config), state_dir=args.state)
     except ConfigError as error:
         print(f"gpubroker: {error}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from socket import gethostname
 
 import pytest
 
+from gpubroker import cli
 from gpubroker.config import SETTINGS, Config, ConfigError, Setting, Stamp, load_config
 from gpubroker.gossip.cluster import ClusterState, decode_token
 from gpubroker.gossip.identity import Identity
@@ -211,3 +212,15 @@ def test_each_default_in_the_readme_is_the_one_used(setting: Setting) -> None:
         value = written.strip("`")
     assert setting.parse(value) == setting.default
     assert getattr(Config(), setting.name) == setting.default
+
+
+@pytest.mark.parametrize("command", [["up", "--listen", "127.0.0.1:99999"], ["init"], ["token"]])
+def test_an_empty_config_name_is_refused_not_taken_for_no_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """`--config "$CONF"` with CONF unset ran on every default (the state directory, the listen address) without a word."""
+    assert cli.main([*command, "--config", "", "--state", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        "gpubroker: --config names no file (it was given an empty name): give the TOML file, or leave --config out\n"
+    )
+    assert list(tmp_path.iterdir()) == []
