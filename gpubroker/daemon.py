@@ -532,6 +532,21 @@ def config_warnings(config: Config, broker: Broker) -> list[str]:
     totals = [reading.total for reading in broker.readings]
     if totals and all(config.reserve >= total for total in totals):
         warnings.append(f"reserve ({gib(config.reserve)} GiB) is as large as every GPU: no GPU memory can be leased")
+    # A setting changed between two runs while leases were kept: they keep what they were granted, said here once.
+    for budget in broker.budgets():
+        declared, total = budget.held.declared, budget.figures.total
+        if declared and declared + config.reserve > total and config.reserve < total:
+            warnings.append(
+                f"{budget.label()}: the leases kept on it ({gib(declared)} GiB) and reserve ({gib(config.reserve)} GiB) come to more "
+                "than the GPU: the leases keep their memory, and nothing more is leased there until enough of them end"
+            )
+    production = sorted(lease.id for lease in broker.leases.values() if lease.priority == "production" and lease.live)
+    if production and not config.production_eligible:
+        warnings.append(
+            f"production_eligible is false, yet {len(production)} production lease{'s' * (len(production) != 1)} "
+            f"{'are' if len(production) != 1 else 'is'} kept ({', '.join(production)}): each goes on until it ends; "
+            "no new production request is served"
+        )
     return warnings
 
 

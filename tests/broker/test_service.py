@@ -23,6 +23,7 @@ from gpubroker.broker.request import parse_request
 from gpubroker.broker.service import Broker, Caller
 from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, seq_key
 from gpubroker.config import Config, Stamp
+from gpubroker.daemon import config_warnings
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, NotFound, StoreFull
 from gpubroker.units import parse_time, rfc3339
 
@@ -768,6 +769,26 @@ async def test_epochs_only_grow_across_restarts(make_node: Callable[..., Any]) -
     third, _ = await node.ask(gpu_memory="1GiB")
     assert third["epoch"] > second["epoch"]
     assert third["gpus"][0]["epoch"] > second["gpus"][0]["epoch"]
+
+
+async def test_a_restart_with_a_larger_reserve_or_without_production_says_what_becomes_of_the_leases_kept(
+    make_node: Callable[..., Any],
+) -> None:
+    """A config changed between two runs: leases it would no longer grant are kept, and the start says so, where
+    the figures showed 20.0 leased and 8.0 reserve on a 24.0 GiB GPU without a word."""
+    node = await make_node()
+    lease, _ = await node.ask(gpu_memory="20GiB", priority="production")
+    assert config_warnings(node.config, node.broker) == []
+    node.config = replace(node.config, reserve=8 * GIB, production_eligible=False)
+    await node.restart()
+    await node.sample()
+    assert config_warnings(node.config, node.broker) == [
+        "GPU 0 (RTX 4090, 24.0 GiB): the leases kept on it (20.0 GiB) and reserve (8.0 GiB) come to more than the GPU: "
+        "the leases keep their memory, and nothing more is leased there until enough of them end",
+        f"production_eligible is false, yet 1 production lease is kept ({lease['id']}): each goes on until it ends; "
+        "no new production request is served",
+    ]
+    assert node.broker.get(lease["id"])["state"] == "granted"
 
 
 async def test_a_stored_record_that_is_no_lease_stops_the_start_saying_the_store_is_damaged(make_node: Callable[..., Any]) -> None:
