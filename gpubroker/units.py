@@ -42,6 +42,8 @@ def parse_size(value: object) -> int:
         size = value
     elif isinstance(value, str):
         size = _size_text(value)
+    elif isinstance(value, float):  # TOML's and JSON's 1.5: bytes are whole, a fraction is written with its unit
+        raise UnitError(f"size {value!r} is not whole bytes: give bytes as an integer, or a string with a unit (1.5GiB, 512MiB, 8GB)")
     else:
         raise UnitError(f"size must be bytes or a string with a unit, not {type(value).__name__}")
     if size < 0 or size > MAX_BYTES:
@@ -70,6 +72,9 @@ def parse_duration(value: object) -> float:
         seconds = float(value)
     elif isinstance(value, str):
         seconds = _duration_text(value)
+    elif isinstance(value, float):  # TOML's and JSON's 2.5: whole seconds as a number, anything finer as a string
+        example = f"{value:g}s" if 0 < value <= MAX_SECONDS else "30s"
+        raise UnitError(f"duration {value!r} is not whole seconds: give seconds as an integer, or a string with a unit ({example}, 500ms)")
     else:
         raise UnitError(f"duration must be seconds or a string with a unit, not {type(value).__name__}")
     if seconds < 0 or seconds > MAX_SECONDS:

@@ -63,6 +63,11 @@ def test_a_file_and_flags_make_one_config_with_flags_winning(tmp_path: Path) -> 
         ('advertise = "192.168.1.20:9741"', "setting advertise: '192.168.1.20:9741' is not a host name or address: give it with no port"),
         ('advertise = "[fe80::1]"', "setting advertise: .* is not a host name or address"),
         ('advertise = "tower lan"', "setting advertise: 'tower lan' is not a host name or address"),
+        (
+            "staleness = 2.5",
+            r"setting staleness: duration 2\.5 is not whole seconds: give seconds as an integer, or a string with a unit \(2\.5s, 500ms\)",
+        ),
+        ("reserve = 1.5", r"setting reserve: size 1\.5 is not whole bytes: give bytes as an integer, or a string with a unit \(1\.5GiB"),
         ("not toml ===", "gpubroker.toml"),
         ('name = ""', "setting name: '' is not a node name"),
         ('name = "   "', "setting name: '   ' is not a node name"),
