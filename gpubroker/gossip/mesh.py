@@ -379,7 +379,8 @@ class Mesh:
         if kind in ("dead", "left"):
             self.broker.record_event(f"mesh.member.{kind}", f"node {self._name_of(node)} ({node}) is {kind}", details={"node": node})
         elif kind in ("joined", "alive"):
-            self.broker.record_event(f"mesh.member.{kind}", f"node {self._name_of(node)} ({node}) is alive", details={"node": node})
+            said = "joined: first heard of here, alive" if kind == "joined" else "is alive"
+            self.broker.record_event(f"mesh.member.{kind}", f"node {self._name_of(node)} ({node}) {said}", details={"node": node})
             if node not in self.cluster.members and node not in self._learning:
                 self._learning.add(node)
                 self._spawn(self._learn_member(node))

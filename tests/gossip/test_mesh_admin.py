@@ -363,3 +363,17 @@ async def test_refused_joins_are_failures_kept_within_the_refusal_budget_and_an_
     assert events[-1]["type"] == "mesh.join.admitted"
     assert events[-1]["details"] == {"node": b.node_id, "name": "node-b"}
     assert b.node_id in events[-1]["message"]
+
+
+async def test_a_member_first_heard_of_is_said_to_have_joined_and_one_heard_again_to_be_alive(pair: tuple[Mesh, Mesh]) -> None:
+    """`mesh.member.joined` said "is alive", as `mesh.member.alive` does: the two read the same in the events."""
+    a, b = pair
+    await a._push_pull(b.membership.addr)  # node-a hears of node-b for the first time
+    a._member_event("alive", b.node_id)  # and alive again, after a suspicion refuted, say
+    await asyncio.gather(*a._tasks)  # its document, fetched on sight
+    name = a._name_of(b.node_id)
+    said = [(kind, message) for kind, message in a.broker.recorded if kind.startswith("mesh.member.")]  # type: ignore[attr-defined]
+    assert said == [
+        ("mesh.member.joined", f"node {name} ({b.node_id}) joined: first heard of here, alive"),
+        ("mesh.member.alive", f"node {name} ({b.node_id}) is alive"),
+    ]
