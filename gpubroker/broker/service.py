@@ -672,7 +672,9 @@ class Broker:
                 f"{uuid} {why}; leases {', '.join(sorted(on.held))} hold {gib(on.declared)} GiB on it "
                 "and stay until released or expired, counted on no other GPU"
             )
-            writes.append(self._event("gpu.missing", message, gpu=uuid, details={"leases": sorted(on.held), "bytes": on.declared}))
+            # A fault of the driver or the card (one fallen off the bus), as a card listed but unreadable is: the same code.
+            details = {"leases": sorted(on.held), "bytes": on.declared}
+            writes.append(self._event("gpu.missing", message, code=FailureCode.DRIVER_ERROR, gpu=uuid, details=details))
             said.append(message)
         listed = {**{gpu.uuid: gpu.index for gpu in unreadable if gpu.uuid is not None}, **seen}
         for uuid in sorted((self._missing.keys() - missing) & listed.keys()):  # back, and read or not: it is listed again

@@ -862,7 +862,7 @@ async def test_a_lease_stays_on_its_card_by_uuid_when_the_driver_numbers_the_car
     assert (node.gpu(0)["uuid"], node.gpu(0)["figures"]["leased"]) == ("GPU-a", 0)
     assert node.broker.get(on_b["id"])["state"] == "granted"
     [missing] = await node.events("gpu.missing")
-    assert (missing["gpu"], missing["details"]) == ("GPU-b", {"leases": [on_b["id"]], "bytes": 20 * GIB})
+    assert (missing["gpu"], missing["code"], missing["details"]) == ("GPU-b", "DRIVER_ERROR", {"leases": [on_b["id"]], "bytes": 20 * GIB})
     assert on_b["id"] in missing["message"]
     await node.sample()
     assert len(await node.events("gpu.missing")) == 1  # said once, not at every sample
