@@ -27,7 +27,7 @@ from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.service import ADMINS, Broker, Caller
 from gpubroker.errors import BrokerError, FailureCode
 from gpubroker.gossip import wire
-from gpubroker.gossip.cluster import ClusterError, ClusterState, JoinGrant, decode_token, new_key_b64
+from gpubroker.gossip.cluster import MAX_PENDING, ClusterError, ClusterState, JoinGrant, decode_token, new_key_b64
 from gpubroker.gossip.coordinator import GONE, PROVISIONAL, Candidate, Coordinator, choose, merge, provisional
 from gpubroker.gossip.discovery import Discovery, Sighting
 from gpubroker.gossip.documents import (
@@ -220,6 +220,7 @@ class Mesh:
     _removed: bool = False
     _learning: set[str] = field(default_factory=set)
     _told: set[str] = field(default_factory=set)  # removed nodes that called and were told so, in this run
+    _unsaid: set[str] = field(default_factory=set)  # pending nodes whose asks fell outside the refusal budget, unsaid yet
     _fetching: set[str] = field(default_factory=set)  # nodes whose document is being fetched on sight
     _started: float = float("-inf")  # when run() began, on self.elapsed
 
@@ -697,12 +698,22 @@ class Mesh:
             )
         except (ClusterError, TypeError, ValueError) as error:
             return {"error": str(error)}
-        if first:
-            self.broker.record_event(
-                "mesh.node.pending",
-                f"node {request.get('name')} ({node}) asks to join; approve with `gpubroker nodes approve {node}`",
-                details={"node": node},
-            )
+        if first or node in self._unsaid:
+            # Anyone who reaches the gossip port may ask, under a fresh identity each time: kept within the budget of
+            # every refusal's event, as a refused join is. A real node asks again every ASK_EVERY until approved, so
+            # one whose first ask fell outside the budget is said at a later one.
+            details = self.broker.refusals.keep({"node": node})
+            if details is None:
+                self._unsaid.add(node)
+                if len(self._unsaid) > MAX_PENDING:  # those no longer pending will not be said: forget them
+                    self._unsaid &= {p.node_id for p in self.cluster.pending_list()}
+            else:
+                self._unsaid.discard(node)
+                self.broker.record_event(
+                    "mesh.node.pending",
+                    f"node {request.get('name')} ({node}) asks to join; approve with `gpubroker nodes approve {node}`",
+                    details=details,
+                )
         return {"pending": True}
 
     def _refuse_if_removed(self) -> None:

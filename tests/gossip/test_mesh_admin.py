@@ -24,7 +24,7 @@ from gpubroker.gossip.documents import Publisher, sign_document, summarize
 from gpubroker.gossip.identity import Identity
 from gpubroker.gossip.keyring import key_id
 from gpubroker.gossip.membership import Membership, MembershipConfig
-from gpubroker.gossip.mesh import Mesh, MeshSettings, _Meta, join_cluster
+from gpubroker.gossip.mesh import Mesh, MeshSettings, _Meta, ask_proof, join_cluster
 from gpubroker.gossip.transport import PeerServer, call_member
 from gpubroker.units import rfc3339
 
@@ -363,6 +363,44 @@ async def test_refused_joins_are_failures_kept_within_the_refusal_budget_and_an_
     assert events[-1]["type"] == "mesh.join.admitted"
     assert events[-1]["details"] == {"node": b.node_id, "name": "node-b"}
     assert b.node_id in events[-1]["message"]
+
+
+async def test_asks_to_join_are_kept_within_the_refusal_budget_and_a_node_that_asks_again_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anyone reaching the gossip port could ask under a fresh identity each time, and each ask was a
+    `mesh.node.pending` event, as many as were sent: the pending list forgets the oldest past 64, so each was new."""
+    monkeypatch.setattr(RefusalBudget, "BURST", 5.0)
+    a = Identity.load_or_create(tmp_path / "a")
+    cluster = ClusterState.init(tmp_path / "cluster-a", a, "node-a", now=NOW)
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="node-a")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    askers = [Identity.load_or_create(tmp_path / f"asker{i}") for i in range(8)]
+    try:
+        mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1", mdns=False), broker, a, cluster, clock=clock.now, elapsed=clock.elapsed)
+
+        def ask(asker: Identity) -> dict[str, Any]:
+            at = clock.now()
+            proof = asker.sign(ask_proof(a.fingerprint(), at))
+            cert = asker.certificate_pem().decode()
+            return mesh._ask_request({"op": "ask", "cert": cert, "name": "asker", "addr": ["127.0.0.1", 9741], "at": at, "proof": proof})
+
+        before = broker.last_event_seq
+        for asker in askers:
+            assert ask(asker) == {"pending": True}
+        clock.advance(1.0)  # the budget fills again
+        ask(askers[-1])  # a node asks again until approved: one whose ask was not said is said now
+        ask(askers[0])  # one said already is not said again
+        await broker.store.commit([])
+        events, _ = broker.events(before, 1000)
+    finally:
+        await broker.close()
+    pending = [e["details"] for e in events if e["type"] == "mesh.node.pending"]
+    assert [d["node"] for d in pending] == [asker.node_id for asker in (*askers[:5], askers[-1])]
+    assert pending[-1]["not_kept_before"] == 3
+    assert len(cluster.pending_list()) == 8  # every ask is pending, said or not
 
 
 async def test_a_member_first_heard_of_is_said_to_have_joined_and_one_heard_again_to_be_alive(pair: tuple[Mesh, Mesh]) -> None:
