@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -94,6 +95,7 @@ GIB = 2**30
 FIGURES = ("total", "observed", "external", "resident", "leased", "reserve", "schedulable")
 EVENTS_SHOWN = 200  # newest first; older ones are in /v1/events
 EVENTS_SCANNED = 2000
+DETAIL_SHOWN = 120  # characters of one of an event's details shown in the list; the whole of it opens below
 LEASES_SHOWN = 1000  # of this node's own: queued, then granted, then the most recently ended; the rest are in /v1/leases
 
 
@@ -580,6 +582,48 @@ def leases_region(request: web.Request) -> str:
     )
 
 
+def _in_bytes(key: str, details: dict[str, Any]) -> bool:
+    """Whether an event's detail `key` is an amount of memory: one named so, or a refusal's need (of GPU memory, or of
+    host memory with its figures), not the count of CPU cores a host refusal names in the same words."""
+    if key in ("bytes", "declared", "observed") or key.endswith("_bytes"):
+        return True
+    if details.get("resource") == "host memory":
+        return key in ("need", "total", "leased", "schedulable")
+    return key == "need" and "need_gpus" in details
+
+
+def _detail_text(key: str, value: Any, details: dict[str, Any]) -> tuple[str, str]:
+    """One of an event's details as a person reads it, and its exact value where that text rounds it: memory in GiB
+    as the other pages show it (a GPU's `figures` too), a nested value as compact JSON, text as it is."""
+    if isinstance(value, int) and not isinstance(value, bool) and _in_bytes(key, details):
+        return gib(value), f"{value} bytes"
+    if isinstance(value, list) and value and all(type(v) is int for v in value) and _in_bytes(key, details):
+        return ", ".join(gib(v) for v in value), ", ".join(f"{v} bytes" for v in value)
+    if key == "figures" and value and isinstance(value, dict) and all(type(v) is int for v in value.values()):
+        (name, first), *rest = value.items()  # as a GPU's card gives its figures: GiB said once, each figure named
+        text = " · ".join([f"{gib(first)} {name}", *(f"{v / GIB:.1f} {other}" for other, v in rest)])
+        return text, ", ".join(f"{other} {v} bytes" for other, v in value.items())
+    if isinstance(value, str):
+        return value, ""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str), ""
+
+
+def event_details(details: dict[str, Any]) -> str:
+    """An event's details as `key: value`, each escaped; one longer than DETAIL_SHOWN is cut, the whole of it a
+    click away (a refusal names every GPU it considered, with their leases)."""
+    shown = []
+    for key, value in details.items():
+        text, exact = _detail_text(str(key), value, details)
+        title = f' title="{e(exact)}"' if exact else ""
+        if len(text) <= DETAIL_SHOWN:
+            shown.append(f"<code{title}>{e(key)}: {e(text)}</code>")
+        else:
+            shown.append(
+                f"<details><summary><code>{e(key)}: {e(text[:DETAIL_SHOWN])}…</code></summary><code{title}>{e(text)}</code></details>"
+            )
+    return " ".join(shown)
+
+
 def events_region(request: web.Request) -> str:
     broker = request.app[BROKER]
     now = time.time()
@@ -595,12 +639,12 @@ def events_region(request: web.Request) -> str:
     )
     items = []
     for event in shown:
-        details = " ".join(f"<code>{e(k)}={e(v)}</code>" for k, v in event.get("details", {}).items())
+        details = event_details(event.get("details") or {})
         items.append(
             f'<li class="event" data-seq="{e(event["seq"])}" data-type="{e(event["type"])}" data-code="{e(event.get("code", ""))}">'
             f'<span class="when">{moment(event["time"], now)}</span> <strong>{e(event["type"])}</strong>'
             + (f' <span class="badge">{e(event["code"])}</span>' if event.get("code") else "")
-            + f'<p>{e(event["message"])}</p><p class="details">{details}</p></li>'
+            + f'<p>{e(event["message"])}</p><div class="details">{details}</div></li>'
         )
     # A burst of more than the page shows, or a code older than those looked at, must not pass for all there is.
     cut = len(found) == EVENTS_SCANNED  # older events may be kept beyond those looked at

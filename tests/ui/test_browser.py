@@ -25,6 +25,7 @@ import pytest
 from browser import PHONE, VIEWPORT, Tab, Timeout, chromium, screenshot, tab, unavailable
 from conftest import BrokerProcess, free_port, wait_for
 
+from gpubroker.client import ClientError
 from gpubroker.gossip.cluster import decode_token
 from gpubroker.ui.auth import hash_password
 
@@ -373,10 +374,14 @@ def test_long_names_and_many_labels_wrap_inside_the_page_on_a_screen_and_a_phone
     labels = {f"key{number:02d}": "v" * 30 for number in range(32)}
     lone.client().call("POST", "/v1/leases", {"gpu_memory": "1GiB", "holder": {"name": "h" * 256}, "labels": labels})
     lone.client().call("POST", "/v1/leases", {"gpu_memory": "1GiB", "holder": {"name": "short"}})
+    with pytest.raises(ClientError):  # its event's details name both GPUs and their leases: one cut, the whole below
+        lone.client().call("POST", "/v1/leases", {"gpu_memory": "22.5GiB", "gpus": 2, "wait": 0})
     for viewport in (VIEWPORT, PHONE):
         reader = tab(browser, lone.url, viewport=viewport)
         for path in ("/", "/node", "/leases", "/events", "/mesh"):
             page = reader.open(path)
+            opened = page.evaluate("() => [...document.querySelectorAll('.details details')].map(d => { d.open = true })")
+            assert opened or path != "/events", "the refusal's long details are not cut on the Events page"
             wide = page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth")
             assert wide <= 1, f"{path} is {wide} px wider than a {viewport['width']} px window"
             cards = page.evaluate("() => [...document.querySelectorAll('.card, .event')].map(c => c.scrollWidth - c.clientWidth)")

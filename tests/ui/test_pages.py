@@ -635,6 +635,29 @@ async def test_the_events_page_says_when_it_shows_only_the_newest_and_where_the_
     assert "the newest 5 events are shown" in few
 
 
+async def test_the_events_page_shows_details_as_key_and_value_memory_in_gib_and_a_long_one_cut_and_whole_below(
+    served: tuple[TestClient[Any, Any], Broker, FakeGpuProbe],
+) -> None:
+    """Details were Python's text of each value (`figures={'total': 25769803776, ...}`), bytes as digits, and a
+    refusal naming every GPU it considered ran on for lines."""
+    client, broker, _ = served
+    assert (await client.post("/v1/leases", json={"gpu_memory": "100GiB"})).status == 409
+    considered = [{"gpu": f"GPU-{i}", "holder": SCRIPT} for i in range(10)]
+    broker.record_event("test.long", "many", details={"considered": considered, "bytes": [GIB, 2 * GIB]})
+    await broker.store.commit([])
+    region = await (await client.get("/fragment/events")).text()
+    assert '<code title="107374182400 bytes">need: 100.0 GiB</code>' in region
+    assert ">figures: 24.0 GiB total · 0.0 observed · 0.0 external · 0.0 resident · 0.0 leased · 1.0 reserve · 23.0 schedulable<" in region
+    assert "<code>priority: interactive</code>" in region
+    assert "bytes: 1.0 GiB, 2.0 GiB" in region
+    whole = json.dumps(considered, separators=(",", ":"))
+    cut = f"<details><summary><code>considered: {pages.e(whole[: pages.DETAIL_SHOWN])}…</code></summary><code>{pages.e(whole)}</code>"
+    assert cut in region
+    assert "need=" not in region
+    assert "{'" not in region
+    assert SCRIPT not in region
+
+
 async def test_a_stream_on_the_unix_socket_whose_client_reads_nothing_ends_after_two_heartbeats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
