@@ -753,6 +753,7 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 EVENTS_PAGE = 1000
+FOLLOW_EVERY = 1.0  # seconds between asks while following: for new events, or of a broker that does not answer
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -760,6 +761,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     after = args.after
     listed: list[dict[str, Any]] = []  # --json without --follow: one document, as every listing
     waiting = False  # following, and the broker does not answer (restarting): said once, then tried every second
+    store: str | None = None  # the store the events printed so far come from ("" unnamed), once the broker has answered
     while True:
         try:
             answer = client.call("GET", "/v1/events", query={"after": after, "limit": EVENTS_PAGE})
@@ -769,11 +771,19 @@ def cmd_events(args: argparse.Namespace) -> int:
             if not waiting:
                 print(f"gpubroker: {error.message}; waiting for it to answer again", file=sys.stderr, flush=True)
             waiting = True
-            time.sleep(1.0)
+            time.sleep(FOLLOW_EVERY)
             continue
         if waiting:
             print("gpubroker: the broker answers again", file=sys.stderr, flush=True)
             waiting = False
+        # A broker started again on a new or wiped store numbers its events from 1: resuming after the last seq seen
+        # would skip its first ones (its broker.started among them), or all of them up to that seq.
+        another = _another_store(store, answer, after)
+        store = answer.get("store") or ""
+        if another:
+            print(f"gpubroker: {another}; printing its events from the first", file=sys.stderr, flush=True)
+            after = 0
+            continue
         if after > 0 and answer.get("dropped"):  # asked from a point (or fell behind) past what the broker keeps
             first = answer["events"][0]["seq"]
             print(
@@ -795,7 +805,19 @@ def cmd_events(args: argparse.Namespace) -> int:
             if args.json:
                 _print_json(listed)
             return 0
-        time.sleep(1.0)
+        time.sleep(FOLLOW_EVERY)
+
+
+def _another_store(before: str | None, answer: dict[str, Any], after: int) -> str | None:
+    """Why the broker's events, answered after `after`, come from another store than those printed so far, or None.
+    Only once it has answered: a first `--after` past its newest resumes from its newest."""
+    if before is None:
+        return None
+    if before and answer.get("store") and answer["store"] != before:
+        return f"the broker keeps its events in another store ({answer['store']}, not {before}), which numbers them from 1 again"
+    if answer["next"] < after:  # a broker that names no store: its newest event is older than the last one printed
+        return f"the broker's newest event is {answer['next']}, below the {after} printed: it keeps its events in another store"
+    return None
 
 
 def _event_line(event: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 import pytest
+from aiohttp import web
 from conftest import free_port, wait_for
 from fakes import FakeClock, FakeGpuProbe
 
@@ -29,6 +30,7 @@ from gpubroker.broker.service import Broker
 from gpubroker.broker.store import Store
 from gpubroker.client import Client, ClientError, Endpoint
 from gpubroker.config import Config
+from gpubroker.ui.api import make_app
 
 
 @pytest.fixture
@@ -627,3 +629,72 @@ async def test_each_event_is_one_line_of_gpubroker_events_whatever_its_message_h
         await broker.close()
     (line,) = [cli._event_line(e) for e in events if e["type"] == "gpu.driver_error"]
     assert line.endswith(" gpu.driver_error DRIVER_ERROR: GPUs cannot be read: GPU is lost\\x0a\\x1b[2Jwhole screen cleared")
+
+
+async def test_events_follow_onto_a_broker_on_another_store_prints_its_events_from_the_first_and_says_so(
+    tmp_path: Path, monkeypatch: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Resumed after the last seq printed, a follower skipped the first events of a broker started again on a new or
+    wiped store (its broker.started among them), numbered from 1 again, without a word."""
+    monkeypatch.setattr(cli, "FOLLOW_EVERY", 0.02)
+    path = tmp_path / "api.sock"
+    monkeypatch.setenv("GPUBROKER_URL", f"unix:{path}")
+    clock = FakeClock(1_800_000_000.0)
+
+    async def serve(state: str, recorded: int) -> tuple[Broker, web.AppRunner]:
+        """A broker on `state` that has recorded `recorded` events after its broker.started, before it answers."""
+        config = Config(state_dir=tmp_path / state, name="tower")
+        broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+        await broker.start()
+        for _ in range(recorded):
+            broker.record_event(f"test.{state}", f"on the store in {state}")
+        await broker.store.commit([])
+        runner = web.AppRunner(make_app(broker))
+        await runner.setup()
+        await web.UnixSite(runner, str(path)).start()
+        return broker, runner
+
+    async def stop(broker: Broker, runner: web.AppRunner) -> None:
+        await runner.cleanup()
+        await broker.close()
+
+    printed: list[str] = []
+    said: list[str] = []
+
+    async def printed_until(count: int) -> None:
+        for _ in range(150):  # 3 s
+            out, err = capsys.readouterr()
+            printed.extend(out.splitlines())
+            said.extend(err.splitlines())
+            if len(printed) >= count:
+                return
+            await asyncio.sleep(0.02)
+
+    serving = await serve("first", 1)
+    args = argparse.Namespace(after=0, follow=True, json=False)
+    follower = threading.Thread(target=cli.cmd_events, args=(args,))
+    follower.start()
+    try:
+        await printed_until(2)
+        await stop(*serving)
+        serving = await serve("first", 0)  # started again on the same store: its events go on from 3
+        await printed_until(3)
+        await stop(*serving)
+        serving = await serve("wiped", 4)  # its newest, 5, is past the last printed: seqs alone would not tell
+        await printed_until(8)
+    finally:
+        args.follow = False  # it returns after its next answer
+        await asyncio.to_thread(follower.join, 5)
+        await stop(*serving)
+    seqs_and_types = [(line.split()[0], line.split()[2].rstrip(":")) for line in printed]
+    assert seqs_and_types == [
+        ("1", "broker.started"), ("2", "test.first"), ("3", "broker.started"),
+        ("1", "broker.started"), *((str(seq), "test.wiped") for seq in range(2, 6)),
+    ]  # fmt: skip
+    another = [line for line in said if "another store" in line]
+    assert len(another) == 1
+    assert another[0].endswith(", which numbers them from 1 again; printing its events from the first")
+    # A broker that names no store is told by its newest event, below the last one printed.
+    assert cli._another_store("", {"events": [], "next": 2}, 3) == (
+        "the broker's newest event is 2, below the 3 printed: it keeps its events in another store"
+    )

@@ -220,6 +220,9 @@ class Broker:
         self.probe = probe
         self.clock: Clock = clock or SystemClock()
         self.node_id = ""
+        # Made with the store and kept in it: a broker on a new or wiped store numbers its events from 1 again, and a
+        # client following them (`gpubroker events --follow`) tells it is another by this, not by seq alone.
+        self.store_id = ""
         self.leases: dict[str, Lease] = {}
         self.ended: OrderedDict[str, tuple[bytes, Lease]] = OrderedDict()
         self._dropped: list[bytes] = []  # keys of ended leases out of the history but still in the store
@@ -265,6 +268,7 @@ class Broker:
         loaded = self.store.load()
         try:
             self.node_id = self._given_id or loaded.meta.get("node_id") or f"n-{secrets.token_hex(6)}"
+            self.store_id = str(loaded.meta.get("store_id") or f"s-{secrets.token_hex(8)}")
             self._event_seq = loaded.last_event
             epochs = loaded.meta.get("epochs", {})
             self._lease_epoch = int(epochs.get("lease", 0))
@@ -293,6 +297,7 @@ class Broker:
         self.store.start()
         writes = [
             Write("meta", b"node_id", self.node_id),
+            Write("meta", b"store_id", self.store_id),
             *history,
             *self._onto_this_boot_clock(loaded.meta.get("clock"), stored_deadlines),
         ]

@@ -734,8 +734,9 @@ async def change_keys(request: web.Request) -> web.Response:
 async def events(request: web.Request) -> web.Response:
     after = _int_query(request, "after", 0, 0, 2**62)
     limit = _int_query(request, "limit", 100, 1, 1000)
-    found, next_seq = request.app[BROKER].events(after, limit)
-    return web.json_response({"events": found, "next": next_seq, "dropped": request.app[BROKER].dropped(after, found)})
+    broker = request.app[BROKER]
+    found, next_seq = broker.events(after, limit)
+    return web.json_response({"events": found, "next": next_seq, "dropped": broker.dropped(after, found), "store": broker.store_id})
 
 
 async def metrics(request: web.Request) -> web.Response:

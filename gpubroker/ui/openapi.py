@@ -232,7 +232,7 @@ OPENAPI: dict[str, Any] = {
                     "200": _json(
                         {
                             "type": "object",
-                            "required": ["events", "next"],
+                            "required": ["events", "next", "store"],
                             "properties": {
                                 "events": {"type": "array", "items": _ref("Event")},
                                 "next": {"type": "integer"},
@@ -240,6 +240,13 @@ OPENAPI: dict[str, Any] = {
                                     "type": "integer",
                                     "minimum": 0,
                                     "description": "events after `after` no longer kept (events_kept)",
+                                },
+                                "store": {
+                                    "type": "string",
+                                    "description": (
+                                        "the identity of the store the events are kept in; another (a new or wiped state "
+                                        "directory) numbers its events from 1 again"
+                                    ),
                                 },
                             },
                         },
