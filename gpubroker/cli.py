@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpubroker import __version__
+from gpubroker import __version__, work
 from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
@@ -233,6 +233,7 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 # descriptors 0-9, and a caller that passed on open descriptors pushes a new pipe past 9.
 GATE_FD = 3
 _GATE = f'read -r _ <&{GATE_FD} && exec {GATE_FD}<&- && exec "$0" "$@"'
+FIRST_LOOK = 1.0  # seconds after CMD's start that the process groups it made are first looked for (then at each renewal)
 STOP_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when CMD's lease has ended under it (as the broker's kill_grace)
 REQUEST_TIMEOUT = 10.0  # the longest wait for an answer to a renewal, a look or a release once the lease is granted
 
@@ -453,6 +454,10 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     patience = _patience(float(lease["ttl"]))
     gate = os.pipe()  # the lowest free descriptors: if the reading end is not GATE_FD, GATE_FD is open here
     shim = ["/bin/sh", "-c", _GATE, *command]
+    # Every process CMD starts stays below this one, even one that leaves its group and session and is orphaned (a
+    # daemon): its GPU memory is the lease's, and it is stopped with CMD. Where the kernel cannot, as before: such a
+    # process is handed to init, and outlives the lease.
+    work.become_subreaper()
     try:
         child = subprocess.Popen(
             shim,
@@ -489,6 +494,9 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
             client.call("DELETE", f"/v1/leases/{lease['id']}", headers=token, timeout=patience)
         return 1
 
+    # Orphans handed to this process are reaped as they exit; CMD's status is left to its own wait.
+    signal.signal(signal.SIGCHLD, lambda _signum, _frame: work.reap_orphans(child.pid))
+
     def forward(signum: int, _frame: object) -> None:
         try:
             os.killpg(child.pid, signum)
@@ -502,15 +510,49 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
         # which inherited it: a hang-up or a Ctrl-C its caller meant to ignore is not passed on.
         if signal.getsignal(signum) != signal.SIG_IGN:
             signal.signal(signum, forward)
-    done = threading.Event()
+    ended = threading.Event()  # CMD has ended
+    done = threading.Event()  # and what it left running too: no more renewals
     ttl = float(lease["ttl"])
     # The latest the lease can last unless renewed again: a TTL after the last answer that extended it (the grant's
     # first). The broker extended it at the latest then, so once this has passed with no renewal answered, the lease has
     # run out.
     runs_out = granted + ttl
 
+    registered = {child.pid}
+    others_work: set[int] = set()  # groups below this process it does not register: another lease's, another user's
+    looking = threading.Lock()
+
+    def other_leases() -> tuple[set[int], set[int]]:
+        """The holders' pids and the registered groups of the other leases here."""
+        leases = client.call("GET", "/v1/leases", query={"state": "granted", "limit": 100_000}, timeout=patience)["leases"]
+        others = [other for other in leases if other["id"] != lease["id"]]
+        return {o["holder"]["pid"] for o in others if o["holder"].get("pid")}, {g for o in others for g in o.get("process_groups") or ()}
+
+    def look() -> None:
+        """Register with the lease the process groups CMD's processes made (a daemon's, a server's workers started in
+        sessions of their own): if this process dies, even by kill -9, the broker stops them too. A group gone by the
+        time it is registered, or refused, is no matter: what runs below this process is stopped with CMD anyway."""
+        if ended.is_set():  # (a renewal does not wait while what CMD left running is stopped)
+            return
+        with looking:
+            if ended.is_set():
+                return
+            try:
+                found, present = work.escaped_groups(registered | others_work, other_leases)
+            except (OSError, ClientError):
+                return
+            registered.intersection_update(present | {child.pid})
+            others_work.intersection_update(present)
+            others_work.update(present - registered - set(found))  # looked at once: another lease's, or not this user's
+            for pgid in found:
+                with contextlib.suppress(ClientError):
+                    path = f"/v1/leases/{lease['id']}/processes"
+                    client.call("POST", path, {"pgid": pgid}, headers=token, timeout=patience)
+                    registered.add(pgid)
+
     def renew() -> None:
         nonlocal runs_out
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # delivered to the main thread, whose handler reaps
         failed = False  # the last renewal failed, and was said to have: the next that works says so too
         wait = max(0.0, granted + ttl / 3 - time.monotonic())  # a third of its TTL after the grant, not after CMD's start
         while not done.wait(wait):
@@ -520,18 +562,18 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
                     f"gpubroker: lease {lease['id']} has run out: no renewal has worked for its whole TTL ({ttl:g}s), so CMD is "
                     f"stopped (SIGTERM, SIGKILL after {STOP_GRACE:g}s): work never goes on without its lease"
                 )
-                _stop_group(child.pid, done)
+                _stop_group(child.pid, ended)
                 return
             try:
                 # A renewal still unanswered when the lease runs out is given up on then: CMD does not outlive it by a patience.
                 timeout = max(0.1, min(patience, runs_out - time.monotonic()))
                 renewed = client.call("POST", f"/v1/leases/{lease['id']}/renew", headers=token, timeout=timeout)["lease"]
             except ClientError as error:
-                ended = error.status in (404, 409)  # the lease has ended: so does CMD, even if the broker could not see to it
-                stopped = f"; it has ended, so CMD is stopped (SIGTERM, SIGKILL after {STOP_GRACE:g}s)" if ended else ""
+                gone = error.status in (404, 409)  # the lease has ended: so does CMD, even if the broker could not see to it
+                stopped = f"; it has ended, so CMD is stopped (SIGTERM, SIGKILL after {STOP_GRACE:g}s)" if gone else ""
                 _tell(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}{stopped}")
-                if ended:
-                    _stop_group(child.pid, done)
+                if gone:
+                    _stop_group(child.pid, ended)
                     return
                 failed = True
                 wait = min(ttl / 3, max(0.0, runs_out - time.monotonic()))  # tried again before it runs out, and looked at then
@@ -540,9 +582,18 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
             if failed:
                 _tell(f"gpubroker: lease {lease['id']} renewed again: it expires {renewed['expires_at']}")
                 failed = False
+            look()
 
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
+
+    def look_first() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # (as in the renewer) for the main thread, which reaps
+        look()
+
+    first_look = threading.Timer(FIRST_LOOK, look_first)  # a server's workers, a daemon, started as CMD starts
+    first_look.daemon = True
+    first_look.start()
 
     def hold(stopped: bool) -> None:
         nonlocal runs_out
@@ -553,6 +604,15 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
 
     code = _wait_as_a_job(child, terminal, hold)
     terminal.take_back()
+    ended.set()
+    first_look.cancel()
+    with looking:  # no group is registered while it is stopped
+        # What CMD left running is stopped before the lease goes, as a service's leftovers are when it stops (systemd's
+        # KillMode=control-group), and still under a renewed lease: work never goes on without its lease.
+        stopped = work.stop_leftovers(STOP_GRACE)
+    if stopped is not None:
+        _tell(f"gpubroker: CMD has ended; what it left running was stopped: {stopped}")
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     done.set()
     _release_after(client, lease["id"], token, patience)
     if -code in (signal.SIGINT, signal.SIGQUIT):

@@ -189,6 +189,178 @@ def test_a_lease_is_released_within_a_second_of_its_holder_dying_by_kill_9_and_i
     assert holder.wait(5) == -signal.SIGKILL
 
 
+# CMD for the tests of work that leaves CMD's group, run as `python CMD_DAEMON WORK`: it starts a daemon as daemons
+# start, in a session of its own and orphaned (fork, setsid, fork again, and the middle process exits), then ends once
+# WORK/go exists. The daemon writes its pid to WORK/daemon, and its group to WORK/pgid (so that the spawn fixture kills
+# it should a test fail); on SIGTERM it writes to WORK/stopped what state its lease was in then, and exits.
+CMD_DAEMON = """\
+import os, signal, sys, time
+from gpubroker.client import Client
+
+work = sys.argv[1]
+
+def note(name, text):
+    with open(os.path.join(work, name + ".new"), "w") as out:
+        out.write(text)
+    os.rename(os.path.join(work, name + ".new"), os.path.join(work, name))
+
+def stopped(_signum, _frame):
+    note("stopped", Client().call("GET", "/v1/leases/" + os.environ["GPUBROKER_LEASE"])["lease"]["state"])
+    os._exit(0)
+
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, stopped)
+        note("pgid", str(os.getpgrp()))
+        note("daemon", str(os.getpid()))
+        while True:
+            signal.pause()
+    os._exit(0)
+os.wait()
+while not os.path.exists(os.path.join(work, "go")):
+    time.sleep(0.02)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether a process runs: not gone, and not exited (a zombie left for its parent to reap)."""
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    return False
+
+
+def start_daemon_under_a_lease(
+    gpubroker: list[str], broker: BrokerProcess, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> tuple[subprocess.Popen[bytes], Path, int]:
+    """`gpubroker lease --gpu-memory 1GiB -- python CMD_DAEMON WORK`, once the daemon runs: the holder, WORK, the daemon's pid."""
+    work = tmp_path / "cmd"
+    work.mkdir()
+    script = tmp_path / "cmd.py"
+    script.write_text(CMD_DAEMON)
+    holder = spawn([*gpubroker, "lease", "--gpu-memory", "1GiB", "--", sys.executable, str(script), str(work)], broker.env)
+    wait_for((work / "daemon").exists, timeout=20.0)
+    daemon = int((work / "daemon").read_text())
+    assert os.getsid(daemon) == os.getpgid(daemon) != os.getsid(holder.pid)  # it left CMD's group and session
+    return holder, work, daemon
+
+
+def test_work_that_leaves_cmds_session_is_the_leases_and_is_stopped_when_cmd_ends_before_the_lease_is_released(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """A daemon started by CMD (setsid, fork again) was handed to init: its GPU memory counted as external, and it ran on
+    once CMD had ended and the lease was released, holding memory the broker then granted to others."""
+    config = tmp_path / "gpubroker.toml"
+    config.write_text('sample_interval = "200ms"\nstaleness = "1s"\n')
+    sim = tmp_path / "gpus.toml"
+    sim.write_text('[[gpu]]\nmemory = "24GiB"\n')
+    broker = broker_process(str(sim), extra=["--config", str(config)], command=gpubroker).start()
+    client = broker.client()
+    holder, work, daemon = start_daemon_under_a_lease(gpubroker, broker, spawn, tmp_path)
+    assert psutil.Process(daemon).ppid() == holder.pid  # orphaned, it went to `gpubroker lease`, not to init
+    lease = granted_to(client, holder.pid)
+    assert lease is not None
+
+    # The simulation file, read at every sample, now has the daemon using 3 GiB of the GPU.
+    (tmp_path / "gpus.new").write_text(f'[[gpu]]\nmemory = "24GiB"\n[[process]]\ngpu = 0\npid = {daemon}\nname = "daemon"\nused = "3GiB"\n')
+    (tmp_path / "gpus.new").rename(sim)
+
+    def gpu() -> dict[str, Any]:
+        found: dict[str, Any] = client.call("GET", "/v1/node")["gpus"][0]
+        return found
+
+    wait_for(lambda: gpu()["processes"], timeout=5.0)
+    assert [p["lease"] for p in gpu()["processes"]] == [lease["id"]]
+    assert (gpu()["figures"]["external"], gpu()["figures"]["leased"]) == (0, 3 * GIB)
+
+    (work / "go").touch()  # CMD ends, the daemon still running
+
+    assert holder.wait(30) == 0, lease_log(tmp_path)
+    assert not running(daemon)
+    assert (work / "stopped").read_text() == "granted"  # stopped under its lease, which was released after
+    pgid = int((work / "pgid").read_text())
+    assert lease_log(tmp_path) == (
+        f"gpubroker: CMD has ended; what it left running was stopped: process group {pgid} (pid {daemon}) ended on SIGTERM\n"
+    )
+    assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"released by its holder (pid {holder.pid})"
+
+
+def test_work_that_leaves_cmds_session_is_stopped_by_the_broker_when_gpubroker_lease_dies_by_kill_9(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """The broker signals the process groups registered with the lease: a daemon's, in a session of its own, was never
+    one of them, so it outlived the lease of a `gpubroker lease` killed with -9."""
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    holder, work, daemon = start_daemon_under_a_lease(gpubroker, broker, spawn, tmp_path)
+    pgid = os.getpgid(daemon)
+    wait_for(lambda: pgid in (granted_to(client, holder.pid) or {}).get("process_groups", []), timeout=10.0)  # found, registered
+    lease = granted_to(client, holder.pid)
+    assert lease is not None
+    assert lease["process_groups"][1:] == [pgid]  # after CMD's own
+
+    holder.kill()
+
+    wait_for(lambda: not running(daemon), timeout=5.0)
+    assert (work / "stopped").read_text() == "released"  # by the broker, as it released the lease of a holder gone
+    assert holder.wait(5) == -signal.SIGKILL
+
+
+def test_the_groups_of_a_lease_taken_inside_cmd_are_left_to_it_and_not_registered_with_the_outer_lease(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """Registered with both, the inner CMD's group would be as near to either lease, and the outer one, granted first,
+    would take its GPU memory."""
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    go = tmp_path / "go"
+    inner = " ".join([*gpubroker, "lease", "--cpu-cores", "1", "--", "sleep", "600"])
+    # The inner lease first; once the test says go, a process in a session of its own, which the outer lease takes.
+    cmd = ["sh", "-c", f"{inner} & while [ ! -e {go} ]; do sleep 0.02; done; setsid sleep 600 & wait"]
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "3s", "--", *cmd], broker.env)
+
+    def leases() -> dict[bool, dict[str, Any]]:
+        """The outer lease (True) and the inner one, by whether `gpubroker lease` is their holder."""
+        return {
+            lease["holder"]["pid"] == holder.pid: lease for lease in client.call("GET", "/v1/leases", query={"state": "granted"})["leases"]
+        }
+
+    wait_for(lambda: len(leases()) == 2 and leases()[False]["process_groups"], timeout=20.0)
+    go.touch()
+    wait_for(lambda: len(leases()[True]["process_groups"]) == 2, timeout=10.0)  # the setsid one, looked for with the inner's
+
+    outer, nested = leases()[True]["process_groups"], leases()[False]["process_groups"]
+    assert not set(outer) & set(nested)
+    holder.terminate()
+    assert holder.wait(30) == 128 + signal.SIGTERM, lease_log(tmp_path)
+    assert client.call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []  # the inner lease went with its CMD
+
+
+def test_an_orphan_handed_to_gpubroker_lease_is_reaped_when_it_exits(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """`gpubroker lease` inherits the processes orphaned below it: one that exits is reaped, not left a zombie."""
+    broker = start_broker(gpubroker, broker_process)
+    said, go, script = tmp_path / "orphan", tmp_path / "go", tmp_path / "orphan.sh"
+    # Run as `sh orphan.sh PARENT` in the background of a shell (PARENT) that ends at once: orphaned, it says its pid and
+    # who its parent is then (the fourth field of /proc/PID/stat; sh's name has no space), and exits.
+    script.write_text(
+        "parent() { cut -d' ' -f4 /proc/$$/stat; }\n"
+        'while [ "$(parent)" -eq "$1" ]; do sleep 0.01; done\n'
+        f'echo $$ "$(parent)" > {said}.new && mv {said}.new {said}\n'
+    )
+    cmd = ["sh", "-c", f"sh -c 'sh {script} $$ &'; while [ ! -e {go} ]; do sleep 0.02; done"]
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--", *cmd], broker.env)
+    wait_for(said.exists, timeout=20.0)
+    pid, parent_then = map(int, said.read_text().split())
+    assert parent_then == holder.pid
+
+    wait_for(lambda: not psutil.pid_exists(pid), timeout=5.0)  # exited, and reaped: no zombie is left below the holder
+    go.touch()
+    assert holder.wait(30) == 0, lease_log(tmp_path)
+    assert lease_log(tmp_path) == ""  # nothing was left running
+
+
 def test_cmd_runs_with_the_lease_environment_and_its_exit_code_is_the_commands(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
