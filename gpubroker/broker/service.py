@@ -344,6 +344,8 @@ class Broker:
             await self.store.commit(writes)
         except StoreFull as full:  # it still serves what it holds, and says why every change is refused
             self.start_warning = full.message
+            if not loaded.meta.get("store_id"):  # a name not kept would be another at the next start: none said
+                self.store_id = ""
         await self.sample()
 
     def _waits_cut_short(self, run: Any) -> list[tuple[str, str]]:

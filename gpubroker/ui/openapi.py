@@ -245,7 +245,8 @@ OPENAPI: dict[str, Any] = {
                                     "type": "string",
                                     "description": (
                                         "the identity of the store the events are kept in; another (a new or wiped state "
-                                        "directory) numbers its events from 1 again"
+                                        "directory) numbers its events from 1 again. Empty while a store from an earlier "
+                                        "version, full at start, cannot keep it"
                                     ),
                                 },
                             },

@@ -1742,6 +1742,25 @@ async def test_a_broker_whose_store_is_full_still_starts_and_serves_what_it_hold
         await node.ask(cpu_cores=1)
 
 
+async def test_a_store_from_an_earlier_version_full_at_start_is_named_only_once_its_name_is_kept(
+    make_node: Callable[..., Any],
+) -> None:
+    """Its start could not write the store's name, so each start made up another: a follower (`events --follow`) took
+    the same store, started again, for another and printed every event again from the first."""
+    node = await make_node(store_size=256 * 2**10, events_kept=100_000)
+    await node.broker.store.commit([Write("meta", b"store_id", None)])  # as an earlier version left it: no name
+    for batch in (100, 1):  # small events until not even one more fits
+        with contextlib.suppress(StoreFull):
+            while True:
+                await node.broker.store.commit([node.broker._event("test.filler", "filler") for _ in range(batch)])
+    names = [(await node.restart()).store_id for _ in range(2)]
+    assert names == ["", ""]  # unnamed: a follower goes by seq, as with an earlier version
+    node.config = replace(node.config, store_size=2 * 2**20)
+    named = (await node.restart()).store_id
+    assert named
+    assert (await node.restart()).store_id == named
+
+
 async def test_a_release_the_full_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
     node = await make_node(store_size=256 * 2**10, events_kept=50, leases_kept=10)
     labels = {f"k{i}": "x" * 200 for i in range(30)}
