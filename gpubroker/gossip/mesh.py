@@ -24,7 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from gpubroker.broker.request import LeaseRequest
-from gpubroker.broker.service import ADMINS, Broker, Caller
+from gpubroker.broker.service import ADMINS, Broker, Caller, RefusalBudget
 from gpubroker.errors import BrokerError, FailureCode
 from gpubroker.gossip import wire
 from gpubroker.gossip.cluster import MAX_PENDING, ClusterError, ClusterState, JoinGrant, decode_token, new_key_b64
@@ -223,6 +223,12 @@ class Mesh:
     _unsaid: set[str] = field(default_factory=set)  # pending nodes whose asks fell outside the refusal budget, unsaid yet
     _fetching: set[str] = field(default_factory=set)  # nodes whose document is being fetched on sight
     _started: float = float("-inf")  # when run() began, on self.elapsed
+    # The budget of the events of joins refused and asks to join, which anyone reaching the gossip port can send: its
+    # own, so that a flood of them from the network does not silence this node's refusals of its own users.
+    _refusals: RefusalBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._refusals = RefusalBudget(self.elapsed)
 
     @property
     def node_id(self) -> str:
@@ -648,10 +654,10 @@ class Mesh:
                 bytes(request["secret"]), str(request["cert"]), str(request.get("name", "")), self.clock(), self.node_id
             )
         except (ClusterError, KeyError, TypeError, ValueError) as error:
-            # Anyone who reaches the gossip port may ask: kept within the budget of every refusal's event, as a refused
-            # sign-in is, so a flood of them does not push the leases' events out of those kept.
+            # Anyone who reaches the gossip port may ask: kept within the gossip port's refusal budget, so a flood of
+            # them does not push the leases' events out of those kept.
             why = printable_text(str(error) if isinstance(error, ClusterError) else f"not a join request ({error!r})")[:MAX_SAID]
-            details = self.broker.refusals.keep({"reason": why})
+            details = self._refusals.keep({"reason": why})
             if details is not None:
                 self.broker.record_event("mesh.join.refused", f"a join was refused: {why}", code=FailureCode.UNAUTHORIZED, details=details)
             return {"error": str(error)}
@@ -699,10 +705,10 @@ class Mesh:
         except (ClusterError, TypeError, ValueError) as error:
             return {"error": str(error)}
         if first or node in self._unsaid:
-            # Anyone who reaches the gossip port may ask, under a fresh identity each time: kept within the budget of
-            # every refusal's event, as a refused join is. A real node asks again every ASK_EVERY until approved, so
+            # Anyone who reaches the gossip port may ask, under a fresh identity each time: kept within the gossip
+            # port's refusal budget, as a refused join is. A real node asks again every ASK_EVERY until approved, so
             # one whose first ask fell outside the budget is said at a later one.
-            details = self.broker.refusals.keep({"node": node})
+            details = self._refusals.keep({"node": node})
             if details is None:
                 self._unsaid.add(node)
                 if len(self._unsaid) > MAX_PENDING:  # those no longer pending will not be said: forget them

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from fakes import FakeClock, FakeGpuProbe
 
-from gpubroker.broker.service import Broker, RefusalBudget
+from gpubroker.broker.request import parse_request
+from gpubroker.broker.service import Broker, Caller, RefusalBudget
 from gpubroker.broker.store import Store
 from gpubroker.config import Config
 from gpubroker.errors import BrokerError
@@ -363,6 +364,30 @@ async def test_refused_joins_are_failures_kept_within_the_refusal_budget_and_an_
     assert events[-1]["type"] == "mesh.join.admitted"
     assert events[-1]["details"] == {"node": b.node_id, "name": "node-b"}
     assert b.node_id in events[-1]["message"]
+
+
+async def test_refused_joins_do_not_spend_the_budget_of_this_nodes_own_refusals(tmp_path: Path) -> None:
+    """Anyone reaching the gossip port spent the budget the broker's refusals share: a flood of wrong tokens from the
+    network and a local program's refused request was not kept as an event, only counted."""
+    a, b = (Identity.load_or_create(tmp_path / name) for name in ("a", "b"))
+    cluster = ClusterState.init(tmp_path / "cluster-a", a, "node-a", now=NOW)
+    clock = FakeClock(NOW)
+    config = Config(state_dir=tmp_path / "state", name="node-a")
+    broker = Broker(config, Store(config.state_dir, config.store_size, config.events_kept), FakeGpuProbe(clock), clock)
+    await broker.start()
+    try:
+        mesh = Mesh(MeshSettings(("127.0.0.1", 0), "127.0.0.1", mdns=False), broker, a, cluster, clock=clock.now, elapsed=clock.elapsed)
+        before = broker.last_event_seq
+        cert = b.certificate_pem().decode()
+        for _ in range(int(RefusalBudget.BURST) + 50):
+            mesh._join_request({"op": "join", "secret": b"guessed", "cert": cert, "name": "node-b"})
+        with pytest.raises(BrokerError):
+            await broker.request(parse_request({"cpu_cores": 512, "bind": "none"}), Caller("tcp"))
+        await broker.store.commit([])
+        events, _ = broker.events(before, 1000)
+    finally:
+        await broker.close()
+    assert [e["type"] for e in events][-1] == "lease.refused"
 
 
 async def test_asks_to_join_are_kept_within_the_refusal_budget_and_a_node_that_asks_again_is_said(
