@@ -7,6 +7,7 @@ import functools
 import re
 import sys
 from datetime import UTC, datetime
+from decimal import Decimal
 from fractions import Fraction
 
 _SIZE_UNITS = {
@@ -73,7 +74,9 @@ def parse_duration(value: object) -> float:
     elif isinstance(value, str):
         seconds = _duration_text(value)
     elif isinstance(value, float):  # TOML's and JSON's 2.5: whole seconds as a number, anything finer as a string
-        example = f"{value:g}s" if 0 < value <= MAX_SECONDS else "30s"
+        # Written out in full: `{:g}` gives 1e-05 or 1.23457e+06, which no duration is written as.
+        written = f"{Decimal(repr(value)):f}" if 0 < value <= MAX_SECONDS else ""
+        example = f"{written}s" if 0 < len(written) <= 30 else "30s"
         raise UnitError(f"duration {value!r} is not whole seconds: give seconds as an integer, or a string with a unit ({example}, 500ms)")
     else:
         raise UnitError(f"duration must be seconds or a string with a unit, not {type(value).__name__}")
