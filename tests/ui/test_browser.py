@@ -392,6 +392,15 @@ def test_long_names_and_many_labels_wrap_inside_the_page_on_a_screen_and_a_phone
             assert table <= 1, f"the Leases table is {table} px wider than a {viewport['width']} px window"
             lines = leases.evaluate("() => [...document.querySelectorAll('td code')].map(c => c.getClientRects().length)")
             assert max(lines) == 1, "a lease id wraps: the other columns leave it no room"
+            # The whole of a long detail, opened, stays open as the next event draws the Events page again.
+            events = reader.open("/events")
+            wait_live(events)
+            events.locator(".details details summary").first.click()
+            with pytest.raises(ClientError):
+                lone.client().call("POST", "/v1/leases", {"gpu_memory": "22.5GiB", "gpus": 2, "wait": 0})
+            events.wait_for_function("document.querySelectorAll('.details details').length === 2", timeout=5000)
+            opened = events.evaluate("() => [...document.querySelectorAll('.details details')].map(d => d.open)")
+            assert opened == [False, True], f"the detail opened was closed as the page was drawn again: {opened}"
         assert not reader.errors, reader.errors
 
 

@@ -40,10 +40,22 @@
         location.assign("/login?next=" + encodeURIComponent(location.pathname + location.search));
         return;
       }
-      if (answer.ok) main.innerHTML = await answer.text();
+      if (answer.ok) {
+        // What a person opened (the whole of an event's long detail) stays open as the region is drawn again.
+        const opened = new Set([...main.querySelectorAll("details[open]")].map(place));
+        main.innerHTML = await answer.text();
+        for (const details of main.querySelectorAll("details")) if (opened.has(place(details))) details.open = true;
+      }
     } catch (_) {
       // the broker is restarting: the stream's reconnect brings the next message
     }
+  }
+
+  // A <details> by what it is, not where: its event's seq and its summary, the same once drawn again.
+  function place(details) {
+    const item = details.closest("[data-seq]");
+    const summary = details.querySelector("summary");
+    return (item ? item.dataset.seq : "") + " " + (summary ? summary.textContent : "");
   }
 
   function refresh() {
