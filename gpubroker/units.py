@@ -44,7 +44,9 @@ def parse_size(value: object) -> int:
     elif isinstance(value, str):
         size = _size_text(value)
     elif isinstance(value, float):  # TOML's and JSON's 1.5: bytes are whole, a fraction is written with its unit
-        raise UnitError(f"size {value!r} is not whole bytes: give bytes as an integer, or a string with a unit (1.5GiB, 512MiB, 8GB)")
+        raise UnitError(
+            f"size {value!r} is a number with a decimal point: give bytes as an integer, or a string with a unit (1.5GiB, 512MiB, 8GB)"
+        )
     else:
         raise UnitError(f"size must be bytes or a string with a unit, not {type(value).__name__}")
     if size < 0 or size > MAX_BYTES:
@@ -77,7 +79,9 @@ def parse_duration(value: object) -> float:
         # Written out in full: `{:g}` gives 1e-05 or 1.23457e+06, which no duration is written as.
         written = f"{Decimal(repr(value)):f}" if 0 < value <= MAX_SECONDS else ""
         example = f"{written}s" if 0 < len(written) <= 30 else "30s"
-        raise UnitError(f"duration {value!r} is not whole seconds: give seconds as an integer, or a string with a unit ({example}, 500ms)")
+        raise UnitError(
+            f"duration {value!r} is a number with a decimal point: give seconds as an integer, or a string with a unit ({example}, 500ms)"
+        )
     else:
         raise UnitError(f"duration must be seconds or a string with a unit, not {type(value).__name__}")
     if seconds < 0 or seconds > MAX_SECONDS:

@@ -65,12 +65,17 @@ def test_a_file_and_flags_make_one_config_with_flags_winning(tmp_path: Path) -> 
         ('advertise = "tower lan"', "setting advertise: 'tower lan' is not a host name or address"),
         (
             "staleness = 2.5",
-            r"setting staleness: duration 2\.5 is not whole seconds: give seconds as an integer, or a string with a unit \(2\.5s, 500ms\)",
+            r"setting staleness: duration 2\.5 is a number with a decimal point: give seconds as an integer, or a string with a unit "
+            r"\(2\.5s, 500ms\)",
         ),
+        ("staleness = 2.0", r"duration 2\.0 is a number with a decimal point: give seconds as an integer"),  # whole, but not an integer
         ("staleness = 1234567.5", r"a string with a unit \(1234567\.5s, 500ms\)"),  # as it is written, not 1.23457e+06s
         ("staleness = 0.00001", r"a string with a unit \(0\.00001s, 500ms\)"),
         ("staleness = 1e-300", r"a string with a unit \(30s, 500ms\)"),
-        ("reserve = 1.5", r"setting reserve: size 1\.5 is not whole bytes: give bytes as an integer, or a string with a unit \(1\.5GiB"),
+        (
+            "reserve = 1.5",
+            r"setting reserve: size 1\.5 is a number with a decimal point: give bytes as an integer, or a string with a unit \(1\.5GiB",
+        ),
         ("not toml ===", "gpubroker.toml"),
         ('name = ""', "setting name: '' is not a node name"),
         ('name = "   "', "setting name: '   ' is not a node name"),
