@@ -521,6 +521,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     registered = {child.pid}
     others_work: set[int] = set()  # groups below this process it does not register: another lease's, another user's
     looking = threading.Lock()
+    look_due = threading.Event()  # a renewal was answered, or CMD has ended: the looker looks again, or stops
 
     def other_leases() -> tuple[set[int], set[int]]:
         """The holders' pids and the registered groups of the other leases here."""
@@ -532,7 +533,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
         """Register with the lease the process groups CMD's processes made (a daemon's, a server's workers started in
         sessions of their own): if this process dies, even by kill -9, the broker stops them too. A group gone by the
         time it is registered, or refused, is no matter: what runs below this process is stopped with CMD anyway."""
-        if ended.is_set():  # (a renewal does not wait while what CMD left running is stopped)
+        if ended.is_set():
             return
         with looking:
             if ended.is_set():
@@ -545,6 +546,8 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
             others_work.intersection_update(present)
             others_work.update(present - registered - set(found))  # looked at once: another lease's, or not this user's
             for pgid in found:
+                if ended.is_set():  # what CMD left running is stopped now, not registered
+                    break
                 with contextlib.suppress(ClientError):
                     path = f"/v1/leases/{lease['id']}/processes"
                     client.call("POST", path, {"pgid": pgid}, headers=token, timeout=patience)
@@ -582,18 +585,23 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
             if failed:
                 _tell(f"gpubroker: lease {lease['id']} renewed again: it expires {renewed['expires_at']}")
                 failed = False
-            look()
+            look_due.set()
 
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
 
-    def look_first() -> None:
+    def looker() -> None:
+        """Looks a second after CMD starts (a server's workers, a daemon, started as CMD starts), then after each renewal
+        answered; apart from the renewals, which never wait for it: registering hundreds of groups keeps the broker busy
+        for seconds, and a renewal that waited for that would find the lease run out."""
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # (as in the renewer) for the main thread, which reaps
-        look()
+        look_due.wait(FIRST_LOOK)
+        while not ended.is_set():
+            look_due.clear()
+            look()
+            look_due.wait()
 
-    first_look = threading.Timer(FIRST_LOOK, look_first)  # a server's workers, a daemon, started as CMD starts
-    first_look.daemon = True
-    first_look.start()
+    threading.Thread(target=looker, daemon=True).start()
 
     def hold(stopped: bool) -> None:
         nonlocal runs_out
@@ -605,8 +613,8 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     code = _wait_as_a_job(child, terminal, hold)
     terminal.take_back()
     ended.set()
-    first_look.cancel()
-    with looking:  # no group is registered while it is stopped
+    look_due.set()  # the looker stops
+    with looking:  # no group is registered while it is stopped (a look under way stops at its next group)
         # What CMD left running is stopped before the lease goes, as a service's leftovers are when it stops (systemd's
         # KillMode=control-group), and still under a renewed lease: work never goes on without its lease.
         stopped = work.stop_leftovers(STOP_GRACE)

@@ -336,6 +336,34 @@ def test_the_groups_of_a_lease_taken_inside_cmd_are_left_to_it_and_not_registere
     assert client.call("GET", "/v1/leases", query={"state": "granted"})["leases"] == []  # the inner lease went with its CMD
 
 
+# CMD for the test of a CMD that starts many process groups, run as `python CMD_SESSIONS N SECONDS`: it starts N workers
+# each in a session of its own (as a harness with start_new_session=True does), which end with it, and ends after SECONDS.
+CMD_SESSIONS = """\
+import ctypes, os, signal, sys, time
+count, seconds = int(sys.argv[1]), float(sys.argv[2])
+for _ in range(count):
+    if os.fork() == 0:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never left running should the test fail
+        os.setsid()
+        while True:
+            signal.pause()
+time.sleep(seconds)
+"""
+
+
+def test_registering_many_process_groups_does_not_hold_up_the_renewals(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """The groups CMD made were registered by the thread that renews the lease, after a renewal and before the next:
+    hundreds of them kept the broker busy for longer than the lease's TTL, which ran out, and CMD was stopped."""
+    broker = start_broker(gpubroker, broker_process)
+    script = tmp_path / "sessions.py"
+    script.write_text(CMD_SESSIONS)
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "1s", "--", sys.executable, str(script), "300", "2.5"], broker.env)
+    assert holder.wait(30) == 0, lease_log(tmp_path)  # not stopped (143) as its lease ran out
+    assert "has run out" not in lease_log(tmp_path)
+
+
 def test_an_orphan_handed_to_gpubroker_lease_is_reaped_when_it_exits(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
