@@ -519,7 +519,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     runs_out = granted + ttl
 
     registered = {child.pid}
-    others_work: set[int] = set()  # groups below this process it does not register: another lease's, another user's
+    others_work: set[int] = set()  # groups below this process it does not register: another lease's
     looking = threading.Lock()
     look_due = threading.Event()  # a renewal was answered, or CMD has ended: the looker looks again, or stops
 
@@ -539,12 +539,12 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
             if ended.is_set():
                 return
             try:
-                found, present = work.escaped_groups(registered | others_work, other_leases)
+                found, theirs, present = work.escaped_groups(registered | others_work, other_leases)
             except (OSError, ClientError):
                 return
             registered.intersection_update(present | {child.pid})
             others_work.intersection_update(present)
-            others_work.update(present - registered - set(found))  # looked at once: another lease's, or not this user's
+            others_work.update(theirs)  # looked at once: another lease's
             for pgid in found:
                 if ended.is_set():  # what CMD left running is stopped now, not registered
                     break

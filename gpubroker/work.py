@@ -98,9 +98,10 @@ def real_uid(pid: int) -> int | None:
     return None
 
 
-def escaped_groups(known: set[int], others: Callable[[], tuple[set[int], set[int]]]) -> tuple[list[int], set[int]]:
-    """The process groups below this process not in `known` that it may register with its lease, and every group
-    below it now (one of `known` not among them has ended: its id, reused, is another group).
+def escaped_groups(known: set[int], others: Callable[[], tuple[set[int], set[int]]]) -> tuple[list[int], set[int], set[int]]:
+    """The process groups below this process not in `known` that it may register with its lease; those of them that are
+    another lease's, for good; and every group below it now (one of `known` not among them has ended: its id, reused,
+    is another group). One not registrable for now (another uid's process in it) is looked at again next time.
 
     One it may register has every process below it, all of one uid, its own (or any one uid's, for root), as the broker
     asks; and is no other lease's: `others()` (asked only when there is a group to register) gives the holders' pids
@@ -115,24 +116,27 @@ def escaped_groups(known: set[int], others: Callable[[], tuple[set[int], set[int
     for pgid, pids in groups.items():
         if pgid in known:
             continue
-        owners = {real_uid(pid) for pid in pids}
-        if len(owners) == 1 and None not in owners and uid in (0, *owners):
+        owners = {real_uid(pid) for pid in pids} - {None}  # (None: a process gone since: a short-lived child)
+        if len(owners) == 1 and uid in (0, *owners):
             candidates.append(pgid)
     if not candidates:
-        return [], set(groups)
+        return [], set(), set(groups)
     holders, taken = others()
-    found = []
+    found, theirs = [], set()
     for pgid in candidates:
         if pgid in taken:
+            theirs.add(pgid)
             continue
         line: set[int] = set()  # the processes from each of the group's up to this one
         for pid in groups[pgid]:
             while pid in table and pid != me and pid not in line:
                 line.add(pid)
                 pid = table[pid].ppid
-        if not line & holders:
+        if line & holders:
+            theirs.add(pgid)
+        else:
             found.append(pgid)
-    return found, set(groups)
+    return found, theirs, set(groups)
 
 
 def reap_orphans(cmd: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import pwd
 import re
 import resource
 import select
@@ -362,6 +363,81 @@ def test_registering_many_process_groups_does_not_hold_up_the_renewals(
     holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "1s", "--", sys.executable, str(script), "300", "2.5"], broker.env)
     assert holder.wait(30) == 0, lease_log(tmp_path)  # not stopped (143) as its lease ran out
     assert "has run out" not in lease_log(tmp_path)
+
+
+# CMD for the test of a group registered once another user's process has left it, run as root as
+# `python CMD_MIXED WORK UID`: it starts a daemon (in a session of its own) with a child of uid UID, which is in its group
+# until killed, then (that child's uid changed) a second daemon alone, and ends once WORK/go exists. The first
+# daemon's group is in WORK/mixed/pgid, its child's pid in WORK/mixed/child, the second's group in WORK/alone/pgid.
+CMD_MIXED = """\
+import os, signal, sys, time
+work, uid = sys.argv[1], int(sys.argv[2])
+
+def note(name, text):
+    with open(os.path.join(work, name + ".new"), "w") as out:
+        out.write(text)
+    os.rename(os.path.join(work, name + ".new"), os.path.join(work, name))
+
+def uid_of(pid):
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+
+if os.fork() == 0:
+    os.setsid()
+    child = os.fork()
+    if child == 0:
+        os.setuid(uid)
+        while True:
+            signal.pause()
+    while uid_of(child) != uid:
+        time.sleep(0.01)
+    note("mixed/child", str(child))
+    note("mixed/pgid", str(os.getpgrp()))
+    os.waitpid(child, 0)
+    while True:
+        signal.pause()
+while not os.path.exists(os.path.join(work, "mixed", "pgid")):
+    time.sleep(0.01)
+if os.fork() == 0:
+    os.setsid()
+    note("alone/pgid", str(os.getpgrp()))
+    while True:
+        signal.pause()
+while not os.path.exists(os.path.join(work, "go")):
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root starts a process of another uid")
+def test_a_group_another_users_process_has_left_is_registered_at_the_next_look(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """A group not registrable when first looked at (another uid's process in it, or one that exited meanwhile, as a
+    daemon's short-lived children do) was never looked at again, and never registered: should `gpubroker lease` die,
+    the broker left it running."""
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    work = tmp_path  # (mixed/pgid and alone/pgid: the spawn fixture kills both groups should the test fail)
+    for name in ("mixed", "alone"):
+        (work / name).mkdir()
+    script = tmp_path / "mixed.py"
+    script.write_text(CMD_MIXED)
+    nobody = pwd.getpwnam("nobody").pw_uid
+    cmd = [sys.executable, str(script), str(work), str(nobody)]
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "3s", "--", *cmd], broker.env)
+
+    def registered() -> list[int]:
+        return list((granted_to(client, holder.pid) or {}).get("process_groups", []))
+
+    wait_for((work / "alone" / "pgid").exists, timeout=20.0)
+    mixed, alone = int((work / "mixed" / "pgid").read_text()), int((work / "alone" / "pgid").read_text())
+    wait_for(lambda: alone in registered(), timeout=10.0)  # looked at, with the mixed group there already
+    assert mixed not in registered()  # two uids: the broker would refuse it
+
+    os.kill(int((work / "mixed" / "child").read_text()), signal.SIGKILL)  # its group is its leader's uid's alone now
+    wait_for(lambda: mixed in registered(), timeout=3.0)  # at the next renewal's look (each second)
+    (work / "go").touch()
+    assert holder.wait(30) == 0, lease_log(tmp_path)
 
 
 def test_an_orphan_handed_to_gpubroker_lease_is_reaped_when_it_exits(
