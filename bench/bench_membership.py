@@ -189,7 +189,9 @@ def run(quick: bool, seed: int, progress: bool) -> dict[str, Any]:
     say("failure detection")
     results["detection"] = [detection(n, trials, seed) for n, trials in ((10, 5 if quick else 20), (50, 3 if quick else 10))]
     say("false dead declarations")
-    results["false_dead"] = [false_deads(10, loss, HOURS / 4 if quick else HOURS, seed, tcp=tcp, stall=stall) for loss, tcp, stall in FALSE_DEAD_CASES]
+    results["false_dead"] = [
+        false_deads(10, loss, HOURS / 4 if quick else HOURS, seed, tcp=tcp, stall=stall) for loss, tcp, stall in FALSE_DEAD_CASES
+    ]
     say("bytes per second")
     results["traffic"] = [traffic(50, 60.0 if quick else 300.0, churn, seed) for churn in (False, True)]
     results["loadavg_at_end"] = os.getloadavg()
