@@ -532,6 +532,7 @@ def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease
     assert [e["type"] for e in later if e["type"] == "request.refused"] == []  # no DELETE of an ended lease was sent
 
 
+@pytest.mark.slow  # 10 s of waiting for renewals a TTL apart
 def test_renewals_that_resume_after_the_broker_restarts_say_so(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
