@@ -8,13 +8,16 @@ import sys
 # Stands for `gpubroker lease`: a subreaper whose CMD leaves a process in a session of its own, deaf to SIGTERM (ignored
 # before exec, as `nohup` does SIGHUP), then ends; what is left is stopped with a grace of 0.3 s and said, with its pid.
 STANDS_FOR_LEASE = """\
-import subprocess
+import os, subprocess, time
 from gpubroker import work
 
 assert work.become_subreaper()
 cmd = subprocess.Popen(["sh", "-c", "(trap '' TERM; exec setsid sleep 30 >/dev/null) & echo $!"], stdout=subprocess.PIPE, text=True)
 left = int(cmd.stdout.readline())
 cmd.wait()
+deadline = time.monotonic() + 10
+while os.getsid(left) != left and time.monotonic() < deadline:  # `echo $!` can come before the setsid
+    time.sleep(0.01)
 print(left, work.stop_leftovers(0.3))
 """
 
