@@ -173,9 +173,26 @@ def _living(table: dict[int, Process], below: set[int]) -> set[int]:
     return {pid for pid in below if pid in table and not table[pid].exited and _signalable(pid)}
 
 
-def _listed(pids: list[int], shown: int = 5) -> str:
-    more = f" and {len(pids) - shown} more" if len(pids) > shown else ""
-    return ("pid " if len(pids) == 1 else "pids ") + ", ".join(map(str, pids[:shown])) + more
+SHOWN = 5  # of a group's pids, or of the groups stopped with one outcome, those named: the rest are counted
+
+
+def _listed(pids: list[int]) -> str:
+    more = f" and {len(pids) - SHOWN} more" if len(pids) > SHOWN else ""
+    return ("pid " if len(pids) == 1 else "pids ") + ", ".join(map(str, pids[:SHOWN])) + more
+
+
+def said_stopped(stopped: list[tuple[str, bool]], grace: float) -> str:
+    """How work was stopped, in one short line however much of it there was: each group or process stopped (its name,
+    and whether SIGKILL had to end it) by outcome, the first few named and the rest counted. Said by `gpubroker lease`
+    of what CMD left running and by the broker of a lease's work: named one by one, a few hundred groups made a line
+    of many kilobytes, in the terminal and in the lease's reason."""
+    said = []
+    for killed, outcome in ((False, "ended on SIGTERM"), (True, f"killed (SIGKILL) {grace:g}s after SIGTERM")):
+        names = [name for name, was_killed in stopped if was_killed is killed]
+        if names:
+            more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+            said.append(f"{', '.join(names[:SHOWN])}{more} {outcome}")
+    return "; ".join(said)
 
 
 def stop_leftovers(grace: float) -> str | None:
@@ -221,8 +238,10 @@ def stop_leftovers(grace: float) -> str | None:
             }
             if time.monotonic() >= ends + 2.0:  # in the kernel and deaf even to SIGKILL (a hung driver call): not waited on
                 break
-    return ", ".join(
-        (f"process group {pgid} ({_listed(pids)}) " if pgid is not None else f"process {pids[0]} ")
-        + (f"killed (SIGKILL) {grace:g}s after SIGTERM" if index in killed else "ended on SIGTERM")
-        for index, (pgid, pids) in enumerate(targets)
+    return said_stopped(
+        [
+            (f"process group {pgid} ({_listed(pids)})" if pgid is not None else f"process {pids[0]}", index in killed)
+            for index, (pgid, pids) in enumerate(targets)
+        ],
+        grace,
     )

@@ -32,6 +32,7 @@ from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, key_
 from gpubroker.config import CLASSES, Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, StoreFull
 from gpubroker.units import gib, log_line, rfc3339
+from gpubroker.work import said_stopped
 
 RANK = {name: rank for rank, name in enumerate(CLASSES)}
 
@@ -1438,11 +1439,7 @@ class Broker:
         signalled, killed = await holders.stop_groups(list(lease.pgids), list(lease.pgid_uids), list(lease.pgid_started), grace)
         if not signalled:
             return  # nothing was left running
-        how = ", ".join(
-            f"process group {pgid} " + (f"killed (SIGKILL) {grace:g}s after SIGTERM" if pgid in killed else "ended on SIGTERM")
-            for pgid in signalled
-        )
-        said = f"its work was stopped: {how}"
+        said = f"its work was stopped: {said_stopped([(f'process group {pgid}', pgid in killed) for pgid in signalled], grace)}"
         writes = [
             self._event(
                 "lease.work_stopped",
