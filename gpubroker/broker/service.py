@@ -906,7 +906,8 @@ class Broker:
                 request,
                 Refusal(
                     FailureCode.DEADLINE_CANNOT_BE_MET,
-                    f"{decision.message}; what holds the room is held past the deadline {rfc3339(request.deadline)} and may not be preempted",
+                    f"the deadline {rfc3339(request.deadline)} cannot be met: what holds the room is held past it and may not be "
+                    f"preempted; as things stand, {decision.message}",
                     {**decision.details, "deadline": rfc3339(request.deadline)},
                 ),
             )

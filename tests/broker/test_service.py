@@ -470,9 +470,14 @@ async def test_a_deadline_already_passed_or_hopeless_fails_at_once(make_node: Ca
     passed = await node.refused(gpu_memory="1GiB", deadline=rfc3339(node.clock.now() - 1))
     assert passed.code is FailureCode.DEADLINE_CANNOT_BE_MET
     await node.ask(gpu_memory="20GiB", ttl="1h", preemption="never")
-    hopeless = await node.refused(gpu_memory="15GiB", deadline=rfc3339(node.clock.now() + 60))
+    deadline = rfc3339(node.clock.now() + 60)
+    hopeless = await node.refused(gpu_memory="15GiB", deadline=deadline)
     assert hopeless.code is FailureCode.DEADLINE_CANNOT_BE_MET
-    assert "held past the deadline" in hopeless.message
+    # What failed leads (the deadline), then why: the room's figures, which alone read as a plain refusal.
+    said, _, why = hopeless.message.partition("; as things stand, ")
+    assert said == f"the deadline {deadline} cannot be met: what holds the room is held past it and may not be preempted"
+    assert why.startswith("GPU 0 (RTX 4090, 24.0 GiB)"), why
+    assert "3.0 schedulable; needs 15.0" in why, why
     assert node.broker.waiters == []
 
 
