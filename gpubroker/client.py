@@ -85,7 +85,7 @@ def find_broker(env: dict[str, str] | None = None) -> Endpoint:
             hint = " (an IPv6 address goes in brackets: http://[::1]:9740)" if bare else ""
             raise ClientError(0, "INVALID_REQUEST", f"GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT{hint}")
         return Endpoint(url)
-    sockets = tuple(dict.fromkeys((default_socket(), SYSTEM_SOCKET)))  # one, for root without XDG_RUNTIME_DIR
+    sockets = tuple(dict.fromkeys((default_socket(), SYSTEM_SOCKET)))  # one, for root
     denied = []
     for path in sockets:
         listening = _listening(path)

@@ -29,12 +29,14 @@ def default_state_dir() -> Path:
 
 
 def default_socket() -> Path:
-    """The socket `gpubroker up` uses when given none, and where clients look first."""
+    """The socket `gpubroker up` uses when given none, and where clients look first. Root's is the system's, whatever
+    its XDG_RUNTIME_DIR (a root login's `/run/user/0`, which no other user may enter): every user's client looks there
+    after its own, and a broker run as root serves the whole machine."""
+    if os.geteuid() == 0:
+        return Path("/run/gpubroker/api.sock")
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return Path(runtime) / "gpubroker" / "api.sock"
-    if os.geteuid() == 0:
-        return Path("/run/gpubroker/api.sock")
     return default_state_dir() / "api.sock"
 
 
@@ -181,7 +183,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "socket",
         None,
-        "Unix socket of the HTTP API (default: $XDG_RUNTIME_DIR/gpubroker/api.sock, /run/gpubroker/api.sock as root, else in the state directory)",
+        "Unix socket of the HTTP API (default: /run/gpubroker/api.sock as root, else $XDG_RUNTIME_DIR/gpubroker/api.sock, else in the state directory)",
         _path,
     ),
     Setting("name", None, "this node's name (default: the name it was admitted to its cluster with, else the hostname)", _node_name),

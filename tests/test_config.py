@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import tomllib
@@ -11,7 +12,7 @@ from socket import gethostname
 import pytest
 
 from gpubroker import cli
-from gpubroker.config import SETTINGS, Config, ConfigError, Setting, Stamp, load_config
+from gpubroker.config import SETTINGS, Config, ConfigError, Setting, Stamp, default_socket, load_config
 from gpubroker.gossip.cluster import ClusterState, decode_token
 from gpubroker.gossip.identity import Identity
 
@@ -237,3 +238,17 @@ def test_an_empty_config_name_is_refused_not_taken_for_no_file(
         "gpubroker: --config names no file (it was given an empty name): give the TOML file, or leave --config out\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_roots_default_socket_is_the_systems_whatever_its_runtime_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root logged in (ssh, `sudo -i`) has XDG_RUNTIME_DIR=/run/user/0: a broker it started put its socket there, which
+    no other user may enter, so every other user's client missed it and fell back to TCP, where no holder is bound."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/0")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert default_socket() == Path("/run/gpubroker/api.sock")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert default_socket() == Path("/run/user/1000/gpubroker/api.sock")  # a user's own broker: that user's
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("XDG_STATE_HOME", "/home/ann/.local/state")
+    assert default_socket() == Path("/home/ann/.local/state/gpubroker/api.sock")
