@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from gpubroker.config import default_socket
+from gpubroker.config import SYSTEM_SOCKET, default_socket
 
 DEFAULT_URL = "http://127.0.0.1:9740"
-SYSTEM_SOCKET = Path("/run/gpubroker/api.sock")  # a broker run as root (systemd), reachable by every user
 
 
 class ClientError(Exception):

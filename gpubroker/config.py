@@ -28,12 +28,15 @@ def default_state_dir() -> Path:
     return Path(base) / "gpubroker"
 
 
+SYSTEM_SOCKET = Path("/run/gpubroker/api.sock")  # a broker run as root (systemd, a root login), reachable by every user
+
+
 def default_socket() -> Path:
     """The socket `gpubroker up` uses when given none, and where clients look first. Root's is the system's, whatever
     its XDG_RUNTIME_DIR (a root login's `/run/user/0`, which no other user may enter): every user's client looks there
     after its own, and a broker run as root serves the whole machine."""
     if os.geteuid() == 0:
-        return Path("/run/gpubroker/api.sock")
+        return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return Path(runtime) / "gpubroker" / "api.sock"

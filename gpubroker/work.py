@@ -176,9 +176,14 @@ def _living(table: dict[int, Process], below: set[int]) -> set[int]:
 SHOWN = 5  # of a group's pids, or of the groups stopped with one outcome, those named: the rest are counted
 
 
+def _first(names: list[str]) -> str:
+    """The first SHOWN names, the rest counted."""
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
 def _listed(pids: list[int]) -> str:
-    more = f" and {len(pids) - SHOWN} more" if len(pids) > SHOWN else ""
-    return ("pid " if len(pids) == 1 else "pids ") + ", ".join(map(str, pids[:SHOWN])) + more
+    return ("pid " if len(pids) == 1 else "pids ") + _first([str(pid) for pid in pids])
 
 
 def said_stopped(stopped: list[tuple[str, bool]], grace: float) -> str:
@@ -190,8 +195,7 @@ def said_stopped(stopped: list[tuple[str, bool]], grace: float) -> str:
     for killed, outcome in ((False, "ended on SIGTERM"), (True, f"killed (SIGKILL) {grace:g}s after SIGTERM")):
         names = [name for name, was_killed in stopped if was_killed is killed]
         if names:
-            more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
-            said.append(f"{', '.join(names[:SHOWN])}{more} {outcome}")
+            said.append(f"{_first(names)} {outcome}")
     return "; ".join(said)
 
 
