@@ -185,9 +185,10 @@ def place(
     open_ = [b for b in fresh if b.reading.index not in blocked]
     fitting = [(b, room) for b in open_ if (room := _room(request, b)) is not None]
     if len(fitting) >= request.gpus:
-        # Best fit: the fullest accelerator that still fits keeps large holes for large requests.
+        # Best fit: the fullest accelerator that still fits keeps large holes for large requests. The chosen ones are
+        # given in index order, so that the work's CUDA device 0 is the lowest, as the driver numbers them.
         fitting.sort(key=lambda item: (item[0].figures.schedulable, item[0].reading.index))
-        return Placement(tuple((b.reading.index, room) for b, room in fitting[: request.gpus]))
+        return Placement(tuple(sorted((b.reading.index, room) for b, room in fitting[: request.gpus])))
     refusal = _refuse(request, fresh, blocked)
     if unread:  # decided on the cards that can be read; the others are named, since they might have served it
         unreadable_json = [u.to_json() for u in unread]

@@ -242,6 +242,19 @@ async def test_a_request_that_fits_is_granted_with_the_gpu_uuid_in_its_environme
     assert node.gpu()["figures"]["schedulable"] == 1 * GIB
 
 
+async def test_a_lease_of_several_gpus_lists_them_in_index_order_whichever_was_fuller(make_node: Callable[..., Any]) -> None:
+    """Best fit chooses the GPUs; their order is the driver's, so the work's CUDA device 0 is the lowest index, as
+    nvidia-smi numbers them."""
+    node = await make_node([24 * GIB, 24 * GIB, 24 * GIB])
+    node.probe.external(2, 4 * GIB)  # GPU 2 is the fullest, then GPU 1: best fit would list 2 first
+    node.probe.external(1, 2 * GIB)
+    await node.sample()
+    lease, _ = await node.ask(gpu_memory="10GiB", gpus=2)
+    assert [g["index"] for g in lease["gpus"]] == [1, 2]
+    assert lease["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-fake-1,GPU-fake-2"
+    assert lease["env"]["GPUBROKER_GPU_MEMORY"] == str(10 * GIB)
+
+
 async def test_external_growth_is_pressure_refusing_new_requests_but_revoking_nothing(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     node.probe.external(0, 6 * GIB)
