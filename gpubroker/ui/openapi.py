@@ -261,7 +261,8 @@ OPENAPI: dict[str, Any] = {
             "get": {
                 "operationId": "streamEvents",
                 "summary": (
-                    "the events as Server-Sent Events (id: seq, event: type, data: the event); `cluster` when the view changes; "
+                    "the events as Server-Sent Events (id: seq, event: type, data: the event), after Last-Event-ID or `after` "
+                    "(from the first when that is past the newest: another store's); `cluster` when the view changes; "
                     "`dropped` ({dropped, after, next}, no id) where events after the resume point are no longer kept"
                 ),
                 "x-stream": True,

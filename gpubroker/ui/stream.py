@@ -89,15 +89,19 @@ def _seq(value: str, name: str) -> int:
 
 
 def _resume_point(request: web.Request) -> int:
-    """After Last-Event-ID (a reconnecting browser sends it), else ?after=, else only what comes next."""
+    """After Last-Event-ID (a reconnecting browser sends it), else ?after=, else only what comes next. A point past the
+    newest event was reached on another store (the broker started again on a new or wiped one, whose events are
+    numbered from 1 again), so this store's are sent from the first, as `events --follow` does."""
     newest = request.app[BROKER].last_event_seq
     header = request.headers.get("Last-Event-ID")
-    if header is not None:
-        return min(_seq(header.strip(), "Last-Event-ID"), newest)
     after = request.query.get("after")
-    if after is not None:
-        return min(_seq(after, "after"), newest)
-    return newest
+    if header is not None:
+        point = _seq(header.strip(), "Last-Event-ID")
+    elif after is not None:
+        point = _seq(after, "after")
+    else:
+        return newest
+    return point if point <= newest else 0
 
 
 def message(data: dict[str, Any], event: str, seq: int | None = None) -> bytes:
