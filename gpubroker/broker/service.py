@@ -1247,10 +1247,14 @@ class Broker:
                 f"request {lease_id} is queued, not granted (position {self.position(waiter)}): {waiter.reason}",
                 {"lease": lease_id, "state": "queued"},
             )
-        lease = self.find(lease_id)
+        return self._still_live(self.find(lease_id))
+
+    @staticmethod
+    def _still_live(lease: Lease) -> Lease:
+        """The lease, if it has not ended: also asked once a change to it is on disk, since it may have ended meanwhile."""
         if not lease.live:
             raise Refusal(
-                FailureCode.LEASE_CONFLICT, f"lease {lease_id} is {lease.state} ({lease.reason})", {"lease": lease_id, "state": lease.state}
+                FailureCode.LEASE_CONFLICT, f"lease {lease.id} is {lease.state} ({lease.reason})", {"lease": lease.id, "state": lease.state}
             )
         return lease
 
@@ -1263,8 +1267,9 @@ class Broker:
         # The record as renewed goes to disk first; the lease changes only once it is there: a renewal refused
         # (STORE_FULL) leaves the lease as it was, in memory as on disk.
         await self.store.commit([Write("leases", lease.id.encode(), renewed.to_record())])
-        if lease.live:
-            lease.ttl, lease.expires_at, lease.deadline = renewed.ttl, renewed.expires_at, renewed.deadline
+        # Ended while the renewal was on its way to disk (the end's own record follows it there): not renewed.
+        self._still_live(lease)
+        lease.ttl, lease.expires_at, lease.deadline = renewed.ttl, renewed.expires_at, renewed.deadline
         return lease
 
     async def register_group(self, lease_id: str, caller: Caller, token: str | None, pgid: int) -> Lease:
@@ -1311,7 +1316,7 @@ class Broker:
                 lease.pgids, lease.pgid_uids, lease.pgid_started = before
                 self._changed(lease)
             raise
-        return lease
+        return self._still_live(lease)  # ended meanwhile: its groups were signalled with it, but it is no success
 
     async def release(self, lease_id: str, caller: Caller, token: str | None) -> Lease:
         """Release a granted lease, or cancel a waiting request."""

@@ -708,6 +708,39 @@ async def test_an_exclusive_request_for_more_than_the_whole_gpu_has_left_says_ho
     assert error.message.endswith("→ 17.0 schedulable; needs the whole GPU, with at least 18.0"), error.message
 
 
+async def test_a_renewal_or_registration_overtaken_by_a_release_is_a_conflict_not_a_success(make_node: Callable[..., Any]) -> None:
+    """A renewal whose write was on its way to disk when the lease was released answered 200 with the lease released and
+    its old expiry: `gpubroker lease -- CMD`, which renews, took it as renewed and kept its work going."""
+    node = await make_node()
+    lease, token = await node.ask(gpu_memory="1GiB", ttl="1h")
+    renewal = asyncio.create_task(node.broker.renew(lease["id"], TCP, token, 7200.0))
+    await asyncio.sleep(0)  # the renewal's write is handed to the writer; the release comes while it syncs
+    await node.broker.release(lease["id"], TCP, token)
+    with pytest.raises(BrokerError) as caught:
+        await renewal
+    assert caught.value.code is FailureCode.LEASE_CONFLICT
+    assert caught.value.message.startswith(f"lease {lease['id']} is released (released by"), caught.value.message
+    assert caught.value.details == {"lease": lease["id"], "state": "released"}
+    work = subprocess.Popen(["sleep", "30"], process_group=0)
+    try:
+        other, other_token = await node.ask(gpu_memory="1GiB", ttl="1h")
+        caller = Caller("unix", uid=os.getuid(), pid=None)
+        registration = asyncio.create_task(node.broker.register_group(other["id"], caller, other_token, work.pid))
+        for _ in range(2000):  # its processes are read in a thread, then its write is handed over
+            if node.broker.leases[other["id"]].pgids:
+                break
+            await asyncio.sleep(0.001)
+        await node.broker.release(other["id"], TCP, other_token)
+        with pytest.raises(BrokerError) as caught:
+            await registration
+        assert caught.value.code is FailureCode.LEASE_CONFLICT
+    finally:
+        work.kill()
+        work.wait()
+    await node.restart()
+    assert {node.broker.get(lease["id"])["state"], node.broker.get(other["id"])["state"]} == {"released"}
+
+
 async def test_a_renewal_the_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, token = await node.ask(gpu_memory="1GiB", ttl="4s")
