@@ -1099,6 +1099,12 @@ class Broker:
                 details={"position": self.position(waiter), "wait": request.wait, "reason_code": first.code.value},
             )
         )
+        if waiter.bind == "caller" and waiter.holder.pid is not None:
+            # Bound to its holder, it waits only while the holder lives (granted, the lease's own watch takes over).
+            assert self._watch is not None
+            if not self._watch.watch(waiter.id, waiter.holder.pid, waiter.holder.start_time, self._waiting_holder_exited):
+                self._drop_waiter(waiter)
+                raise self._holder_gone(waiter)
         limits = [waiter.enqueued_at + request.wait] if request.wait > 0 else []
         if request.deadline is not None:
             limits.append(request.deadline)
@@ -1129,8 +1135,10 @@ class Broker:
             raise self._refused(request, refusal, waited=waiter.id) from None
         except asyncio.CancelledError:
             if waiter.lease is None:
-                self._drop_waiter(waiter)
-                self._record(self._event("lease.cancelled", f"request {waiter.id} cancelled: its client went away", lease=waiter.id))
+                if self._drop_waiter(waiter):
+                    self._record(self._event("lease.cancelled", f"request {waiter.id} cancelled: its client went away", lease=waiter.id))
+                elif waiter.granted.done() and not waiter.granted.cancelled():
+                    waiter.granted.exception()  # cancelled already as its holder exited: said, and nobody else to tell
             else:
                 self._spawn(self._release_after_grant(waiter))
             raise
@@ -1142,10 +1150,30 @@ class Broker:
             with contextlib.suppress(BrokerError):
                 await self.store.commit(self._end(waiter.lease, "released", "the requester disconnected before the grant was answered"))
 
-    def _drop_waiter(self, waiter: Waiter) -> None:
-        if waiter in self.waiters:
-            self.waiters.remove(waiter)
-            self._scan()  # a waiter that leaves may unblock those behind it
+    def _drop_waiter(self, waiter: Waiter) -> bool:
+        """Whether it was still waiting: it waits no more, and those behind it are looked at again."""
+        if waiter.lease is None and self._watch is not None:
+            self._watch.unwatch(waiter.id)
+        if waiter not in self.waiters:
+            return False
+        self.waiters.remove(waiter)
+        self._scan()  # a waiter that leaves may unblock those behind it
+        return True
+
+    def _waiting_holder_exited(self, waiter_id: str) -> None:
+        waiter = self.find_waiter(waiter_id)
+        if waiter is not None and waiter.lease is None and not waiter.granted.done():
+            waiter.granted.set_exception(self._holder_gone(waiter))
+            self._drop_waiter(waiter)
+
+    def _holder_gone(self, waiter: Waiter) -> Refusal:
+        """The end of a request bound to its holder whose holder exited before it was granted: cancelled, as one whose
+        client went away is (LEASE_TIMEOUT, SPEC §3.6's code for a wait that ended without a grant), with its event."""
+        message = f"request {waiter.id} cancelled: its holder pid {waiter.holder.pid} exited while it waited"
+        self._record(self._event("lease.cancelled", message, lease=waiter.id))
+        refusal = Refusal(FailureCode.LEASE_TIMEOUT, message, {"lease": waiter.id, "cancelled": True, "holder_pid": waiter.holder.pid})
+        refusal.recorded = True  # the lease.cancelled event says it
+        return refusal
 
     def position(self, waiter: Waiter) -> int:
         return 1 + sum(1 for w in self.waiters if w.request.priority == waiter.request.priority and w.seq < waiter.seq)
@@ -1166,8 +1194,10 @@ class Broker:
             self.waiters.remove(waiter)
             try:
                 lease, token, writes = self._grant(waiter, decision)
-            except BrokerError as error:  # its holder exited meanwhile
-                waiter.granted.set_exception(self._refused(waiter.request, error, waited=waiter.id))
+            except BrokerError:  # its holder exited, and its pidfd has not said so yet
+                if self._watch is not None:
+                    self._watch.unwatch(waiter.id)
+                waiter.granted.set_exception(self._holder_gone(waiter))
                 continue
             # Handed to the writer now, not a turn of the loop later: events reach the disk in the order of their
             # seqs, so a follower reading after=N never passes over one still on its way.

@@ -2036,6 +2036,35 @@ async def test_a_caller_bound_request_for_a_holder_pid_that_is_not_running_names
     assert (error.code, error.details) == (FailureCode.INVALID_REQUEST, {"field": "bind"})
 
 
+async def test_a_waiting_request_whose_holder_exits_is_cancelled_at_once_and_frees_its_place(make_node: Callable[..., Any]) -> None:
+    """Bound to a holder pid that exited while it waited, it kept its place, claiming the GPU from the requests behind it,
+    until its wait ran out, or, were room freed first, was refused INVALID_REQUEST (400) for a body that was valid."""
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")  # 3 GiB left
+    holder = subprocess.Popen(["sleep", "30"])
+    try:
+        bound = asyncio.create_task(node.refused(gpu_memory="10GiB", bind="caller", holder={"pid": holder.pid}, wait="1h"))
+        behind = asyncio.create_task(node.ask(gpu_memory="2GiB", wait="1h"))  # fits, but the request ahead claims the GPU
+        await asyncio.sleep(0.1)
+        assert len(node.broker.waiters) == 2
+        holder.kill()
+        holder.wait()
+        async with asyncio.timeout(5):
+            error = await bound
+            lease, _ = await behind
+    finally:
+        holder.kill()
+        holder.wait()
+    assert error.code is FailureCode.LEASE_TIMEOUT
+    assert error.message.endswith(f"cancelled: its holder pid {holder.pid} exited while it waited"), error.message
+    assert error.details == {"lease": error.details["lease"], "cancelled": True, "holder_pid": holder.pid}
+    assert lease["state"] == "granted"
+    (cancelled,) = await node.events("lease.cancelled")
+    assert (cancelled["lease"], cancelled["message"]) == (error.details["lease"], error.message)
+    assert await node.events("lease.refused") == []  # its story ends with lease.cancelled, once
+    assert node.broker.waiters == []
+
+
 async def test_a_stale_reading_is_shown_as_stale_and_a_wait_that_ends_on_it_says_its_age_then(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     assert (node.gpu()["stale"], node.gpu()["age"], node.broker.stale) == (False, 0.0, False)
