@@ -902,15 +902,7 @@ class Broker:
         if not waits or decision.code is FailureCode.CAPABILITY_UNAVAILABLE:  # no release can make this node able to
             raise self._refused(request, decision)
         if request.deadline is not None and self._hopeless(request):
-            raise self._refused(
-                request,
-                Refusal(
-                    FailureCode.DEADLINE_CANNOT_BE_MET,
-                    f"the deadline {rfc3339(request.deadline)} cannot be met: what holds the room is held past it and may not be "
-                    f"preempted; as things stand, {decision.message}",
-                    {**decision.details, "deadline": rfc3339(request.deadline)},
-                ),
-            )
+            raise self._refused(request, self._deadline_hopeless(request, decision))
         # Only a request that must wait takes a place in its class's queue: one that fits now is granted, full queue or not.
         queued = [w for w in self.waiters if w.request.priority == priority]
         if len(queued) >= self.config.queue_limit:
@@ -971,6 +963,16 @@ class Broker:
             isinstance(decision, Refusal)
             and decision.code not in (FailureCode.DRIVER_ERROR, FailureCode.SCHEDULER_STATE_STALE)
             and "unreadable" not in decision.details
+        )
+
+    @staticmethod
+    def _deadline_hopeless(request: LeaseRequest, decision: Refusal) -> Refusal:
+        assert request.deadline is not None
+        return Refusal(
+            FailureCode.DEADLINE_CANNOT_BE_MET,
+            f"the deadline {rfc3339(request.deadline)} cannot be met: what holds the room is held past it and may not be "
+            f"preempted; as things stand, {decision.message}",
+            {**decision.details, "deadline": rfc3339(request.deadline)},
         )
 
     def _refused(self, request: LeaseRequest, refusal: E, waited: str | None = None) -> E:
@@ -1186,6 +1188,13 @@ class Broker:
                 continue
             decision = self._place(waiter.request, blocked)
             if isinstance(decision, Refusal):
+                if waiter.request.deadline is not None and self._hopeless(waiter.request):  # a lease renewed past it, say
+                    self.waiters.remove(waiter)
+                    if self._watch is not None:
+                        self._watch.unwatch(waiter.id)
+                    refusal = self._deadline_hopeless(waiter.request, decision)
+                    waiter.granted.set_exception(self._refused(waiter.request, refusal, waited=waiter.id))
+                    continue
                 waiter.reason, waiter.claims = decision.message, decision.code is not FailureCode.DRIVER_ERROR
                 if waiter.request.wants_gpus and waiter.claims:
                     for b in could_use(waiter.request, self.budgets()):
@@ -1300,6 +1309,8 @@ class Broker:
         # Ended while the renewal was on its way to disk (the end's own record follows it there): not renewed.
         self._still_live(lease)
         lease.ttl, lease.expires_at, lease.deadline = renewed.ttl, renewed.expires_at, renewed.deadline
+        if self.waiters:
+            self._scan()  # held longer, it may leave a waiting request's deadline out of reach
         return lease
 
     async def register_group(self, lease_id: str, caller: Caller, token: str | None, pgid: int) -> Lease:

@@ -494,6 +494,33 @@ async def test_a_deadline_already_passed_or_hopeless_fails_at_once(make_node: Ca
     assert node.broker.waiters == []
 
 
+async def test_a_waiting_request_whose_deadline_becomes_hopeless_fails_then_not_at_its_deadline(
+    make_node: Callable[..., Any],
+) -> None:
+    """It waited for a lease due to expire before its deadline; once that lease was renewed past it, it waited on to the
+    deadline for room that could not come in time (SPEC §3.3: it fails at once)."""
+    node = await make_node()
+    held, token = await node.ask(gpu_memory="20GiB", ttl="10s", preemption="never")
+    deadline = rfc3339(node.clock.now() + 60)
+    waiting = asyncio.create_task(node.refused(gpu_memory="15GiB", deadline=deadline))
+    behind = asyncio.create_task(node.ask(gpu_memory="2GiB", wait="1h"))  # fits, but the request ahead claims the GPU
+    await asyncio.sleep(0.1)
+    assert len(node.broker.waiters) == 2  # the lease may end in time: it waits
+    await node.broker.renew(held["id"], TCP, token, 3600.0)
+    async with asyncio.timeout(2):
+        error = await waiting
+        granted, _ = await behind
+    assert error.code is FailureCode.DEADLINE_CANNOT_BE_MET
+    said, _, why = error.message.partition("; as things stand, ")
+    assert said == f"the deadline {deadline} cannot be met: what holds the room is held past it and may not be preempted"
+    assert "3.0 schedulable; needs 15.0" in why, why
+    assert granted["state"] == "granted"
+    queued = [e for e in await node.events("lease.queued") if e["details"]["wait"] == 0]  # the request with the deadline
+    (refused,) = await node.events("lease.refused")
+    assert (refused["lease"], refused["code"]) == (queued[0]["lease"], "DEADLINE_CANNOT_BE_MET")
+    assert node.broker.waiters == []
+
+
 async def test_a_lease_not_renewed_expires_on_the_next_sweep(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, token = await node.ask(gpu_memory="4GiB", ttl="30s")
