@@ -59,10 +59,12 @@ def _size_text(text: str) -> int:
     match = _NUMBER_WITH_UNIT.match(text)
     if not match or match.group(2).upper() not in _SIZE_UNITS:
         raise UnitError(f"size {text!r} is not bytes or a number with a unit (8GiB, 512MiB, 8GB)")
-    number = match.group(1)
+    number, unit = match.group(1), match.group(2).upper()
+    if "." in number and _SIZE_UNITS[unit] == 1:  # `1.5`, most likely meant as 1.5 GiB
+        raise UnitError(f"size {text!r} is a fraction of a byte: a size without a unit is bytes; write its unit (1.5GiB, 512MiB)")
     # Exact arithmetic: byte counts beyond 2^53 must not be rounded by floats.
     exact = int(number) if "." not in number else Fraction(number)
-    return int(exact * _SIZE_UNITS[match.group(2).upper()])
+    return int(exact * _SIZE_UNITS[unit])
 
 
 def parse_duration(value: object) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -83,6 +84,15 @@ def test_a_bare_number_string_is_bytes(n: int) -> None:
 @given(st.integers(0, 2**20), st.sampled_from(["KiB", "MiB", "GiB"]))
 def test_a_half_unit_adds_half_the_unit(n: int, unit: str) -> None:
     assert parse_size(f"{n}.5{unit}") == n * SIZE_UNITS[unit] + SIZE_UNITS[unit] // 2
+
+
+@pytest.mark.parametrize("text", ["1.5", "0.4", "1.5B", "24.0 b", "0.5"])
+def test_a_fraction_of_a_byte_is_refused_saying_to_write_the_unit(text: str) -> None:
+    """`--gpu-memory 1.5`, meant as 1.5 GiB, was granted as 1 byte (and `0.4B` refused as asking for nothing)."""
+    with pytest.raises(UnitError) as refused:
+        parse_size(text)
+    assert str(refused.value) == f"size {text!r} is a fraction of a byte: a size without a unit is bytes; write its unit (1.5GiB, 512MiB)"
+    assert not re.fullmatch(SIZE_PATTERN, text)  # nor does the API's document allow it
 
 
 @given(st.one_of(st.integers(max_value=-1), st.integers(min_value=MAX_BYTES + 1)))

@@ -9,7 +9,7 @@ from gpubroker.broker.request import BINDS, MAX_CORES, MAX_GPUS, MAX_LABELS, MAX
 from gpubroker.config import CLASSES
 from gpubroker.errors import FailureCode
 
-_SIZE = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]{1,30}(\.[0-9]{1,30})? ?([KMGT]i?B|B)?$"}]}
+_SIZE = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]{1,30}( ?B?|(\.[0-9]{1,30})? ?[KMGT]i?B)$"}]}
 _DURATION = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]{1,30}(\.[0-9]{1,30})? ?(ms|s|m|h)?$"}]}
 # A lifetime is at least 1s: as an integer, that is its minimum (a string under 1s is refused too, which no pattern says).
 _TTL = {"oneOf": [{"type": "integer", "minimum": 1}, _DURATION["oneOf"][1]]}
