@@ -290,7 +290,7 @@ class Broker:
             self._saw_epochs(lease)
         history = self._trim_history()  # the store may hold more than leases_kept: they go with a group
         stored_deadlines = {lease.id: lease.deadline for lease in live}  # _hold reckons them from the wall clock
-        for lease in live:
+        for lease in sorted(live, key=lambda lease: lease.epoch):  # held in the order they were granted, as before the stop
             self._hold(lease)
             self._saw_epochs(lease)
         self._watch = holders.HolderWatch(asyncio.get_running_loop())

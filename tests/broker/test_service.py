@@ -768,6 +768,16 @@ async def test_a_renewal_or_registration_overtaken_by_a_release_is_a_conflict_no
     assert {node.broker.get(lease["id"])["state"], node.broker.get(other["id"])["state"]} == {"released"}
 
 
+async def test_live_leases_are_listed_in_the_order_they_were_granted_after_a_restart_too(make_node: Callable[..., Any]) -> None:
+    """A restarted broker listed them in the store's order, by their random ids: `limit` cut an arbitrary few."""
+    node = await make_node()
+    granted = [(await node.ask(gpu_memory="1GiB"))[0]["id"] for _ in range(8)]
+    assert [lease["id"] for lease in node.broker.list_leases("granted", 100)] == granted
+    await node.restart()
+    assert [lease["id"] for lease in node.broker.list_leases("granted", 100)] == granted
+    assert [lease["id"] for lease in node.broker.list_leases(None, 3)] == granted[:3]
+
+
 async def test_a_renewal_the_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, token = await node.ask(gpu_memory="1GiB", ttl="4s")
