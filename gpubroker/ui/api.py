@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from aiohttp import HttpVersion11, web, web_protocol, web_urldispatcher
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from gpubroker.broker import holders
@@ -84,8 +84,11 @@ def answer_unreadable_requests_in_one_shape() -> None:
         answer = original(self, request, status, exc, message)  # it logs the request, and refuses once an answer has begun
         if not 400 <= status < 500:
             return answer
-        what = unreadable_detail(exc) if exc is not None else (message or "")
-        error = InvalidRequest(f"the request cannot be read as HTTP: {what or 'malformed'}", {"status": status}, status=status)
+        if isinstance(exc, ContentEncodingError):  # a coding aiohttp knows but cannot decode here (br, zstd)
+            error = _unread_coding("the body's Content-Encoding")
+        else:
+            what = unreadable_detail(exc) if exc is not None else (message or "")
+            error = InvalidRequest(f"the request cannot be read as HTTP: {what or 'malformed'}", {"status": status}, status=status)
         shaped = _error(error)
         shaped.force_close()  # as aiohttp's own: what follows on this connection cannot be trusted
         return shaped
@@ -127,6 +130,23 @@ def _check_query(request: web.Request) -> None:
             raise InvalidRequest(
                 f"query parameter {_text(name)!r} given {len(given)} times for {operation}; give it once", {"field": name, "values": given}
             )
+
+
+READ_CODINGS = ("identity", "gzip", "deflate")  # the Content-Encodings a body may come in (aiohttp decodes the last two)
+
+
+def _check_encoding(request: web.Request) -> None:
+    """A body in a coding the broker does not read is refused: aiohttp reads one it does not know (`foo`, `gzip, gzip`)
+    as plain, and answers br and zstd, without their libraries, with a hint to install them meant for the server's owner."""
+    codings = request.headers.getall("Content-Encoding", ())
+    if codings and (len(codings) > 1 or codings[0].strip().lower() not in READ_CODINGS):
+        raise _unread_coding(f"Content-Encoding {_text(', '.join(codings))!r}")
+
+
+def _unread_coding(what: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what} is not one this broker reads: send the body plain, or as gzip or deflate", {"read": list(READ_CODINGS)}, status=415
+    )
 
 
 def _check_expectation(request: web.Request) -> None:
@@ -182,6 +202,7 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
             _check_origin(request)
             await _authenticate(request)
         _check_expectation(request)
+        _check_encoding(request)
         _check_query(request)
         return await handler(request)
     except Unauthorized as error:

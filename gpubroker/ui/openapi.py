@@ -556,11 +556,11 @@ OPENAPI: dict[str, Any] = {
 }
 
 # Any operation may answer these: 401 where a UI password is set and the caller has neither a session nor the API
-# token, 403 on TCP to a Host that is not this broker's (against DNS rebinding), 417 to an Expect header other than
-# 100-continue.
+# token, 403 on TCP to a Host that is not this broker's (against DNS rebinding), 415 to a body in a Content-Encoding it
+# does not read (not identity, gzip or deflate), 417 to an Expect header other than 100-continue.
 for _item in OPENAPI["paths"].values():
     for _operation in _item.values():
-        _operation["responses"] = dict(sorted({**_error_responses(401, 403, 417), **_operation["responses"]}.items()))
+        _operation["responses"] = dict(sorted({**_error_responses(401, 403, 415, 417), **_operation["responses"]}.items()))
 
 # The query parameters each operation takes, by method and path as the document writes them: the API refuses any other
 # (and any given twice), so that what is documented and what is read cannot drift apart.

@@ -4,12 +4,14 @@ the other members, in process against a mesh that holds their documents."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import pwd
 import re
 import socket as sockets
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +371,32 @@ def test_a_query_parameter_the_operation_does_not_take_or_given_twice_is_refused
     with pytest.raises(ClientError) as unknown:  # a path that is not one is still NOT_FOUND, whatever its query
         client.call("GET", "/v1/nothing?x=1")
     assert unknown.value.code == "NOT_FOUND"
+
+
+def test_a_body_in_a_content_coding_the_broker_does_not_read_is_415_naming_the_ones_it_does(broker: BrokerProcess) -> None:
+    """`Content-Encoding: foo` (or `gzip, gzip`) was ignored, the body read as plain; `br` and `zstd` were 400 with a hint
+    to install a Python package, meant for the server's owner."""
+    plain = b'{"gpu_memory": "1GiB", "bind": "none"}'
+    for coding in ("foo", "gzip, gzip", "compress", "br", "zstd"):
+        status, _, answer = _raw(
+            broker,
+            b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            + f"Content-Encoding: {coding}\r\nContent-Length: {len(plain)}\r\n\r\n".encode()
+            + plain,
+        )
+        error = json.loads(answer)["error"]
+        assert (status, error["code"]) == (415, "INVALID_REQUEST"), coding
+        assert error["message"].endswith("is not one this broker reads: send the body plain, or as gzip or deflate"), error["message"]
+        assert "install" not in error["message"]
+    for coding, body in (("gzip", gzip.compress(plain)), ("deflate", zlib.compress(plain)), ("identity", plain)):
+        status, _, answer = _raw(
+            broker,
+            b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            + f"Content-Encoding: {coding}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body,
+        )
+        assert status == 201, (coding, answer)
+    assert len(broker.client().call("GET", "/v1/leases")["leases"]) == 3  # none but these was granted
 
 
 def test_a_body_that_gives_a_key_twice_or_is_not_utf_8_is_refused_saying_so(broker: BrokerProcess) -> None:

@@ -538,7 +538,7 @@ async def test_bodies_and_headers_that_cannot_be_read_get_the_one_error_shape_ne
 ) -> None:
     client, broker = guarded
     garbage = b"\x00not compressed at all" * 4
-    for encoding in ("deflate", "gzip", "br"):
+    for encoding in ("deflate", "gzip"):
         answer = await client.post("/v1/leases", data=garbage, headers={"Content-Encoding": encoding, "Authorization": f"Bearer {TOKEN}"})
         assert await error_of(answer) == (400, "INVALID_REQUEST"), encoding
     for origin in ("http://[", "http://[::1", "http://a:b:c"):

@@ -221,11 +221,13 @@ def test_every_answer_of_a_lease_through_its_life_is_as_the_document_says(api: A
     assert {200, 201, 400, 403, 404, 409, 413, 429} <= codes  # the drive went where it meant to
 
 
-def test_an_answer_to_a_foreign_host_or_an_unmet_expectation_is_one_every_operation_lists(api: Api) -> None:
+def test_an_answer_to_a_foreign_host_an_unread_coding_or_an_unmet_expectation_is_one_every_operation_lists(api: Api) -> None:
     for template, item in OPENAPI["paths"].items():
         for method in item:
             answer = api(method.upper(), template.replace("{id}", "l-000000000000"), headers={"Host": "rebound.example"})
             assert answer.status_code == 403, (method, template)
+            answer = api(method.upper(), template.replace("{id}", "l-000000000000"), headers={"Content-Encoding": "foo"})
+            assert answer.status_code == 415, (method, template)
             answer = api(method.upper(), template.replace("{id}", "l-000000000000"), headers={"Expect": "fancy"})
             assert answer.status_code == 417, (method, template)
     assert api.broken == []
