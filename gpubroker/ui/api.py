@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import struct
+import sys
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -441,8 +442,16 @@ def decode_json(raw: bytes) -> Any:
     except _DuplicateKey as error:
         key = error.key[:MAX_KEPT]
         raise InvalidRequest(f"the body gives the key {key!r} more than once in one object; give each key once", {"key": key}) from None
-    except (ValueError, RecursionError):
-        raise InvalidRequest("the body is not valid JSON") from None
+    except json.JSONDecodeError as error:
+        where = "it is empty" if not text.strip() else f"{error.msg} at line {error.lineno} column {error.colno}"
+        offset = len(text[: error.pos].encode(encoding, "surrogatepass"))  # in bytes, as a refusal of bytes not UTF-8 says
+        raise InvalidRequest(f"the body is not valid JSON: {where}", {"offset": offset}) from None
+    except _NotJson as error:
+        raise InvalidRequest(f"the body is not valid JSON: {error} is no JSON value", {}) from None
+    except RecursionError:
+        raise InvalidRequest("the body nests arrays or objects too deeply to be read") from None
+    except ValueError:  # an integer longer than Python reads
+        raise InvalidRequest(f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
 
 
 class _DuplicateKey(ValueError):
@@ -451,8 +460,12 @@ class _DuplicateKey(ValueError):
         self.key = key
 
 
+class _NotJson(ValueError):
+    """NaN or Infinity, which json.loads reads though JSON has no such values."""
+
+
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+    raise _NotJson(name)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

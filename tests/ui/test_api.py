@@ -430,6 +430,28 @@ def test_a_body_that_gives_a_key_twice_or_is_not_utf_8_is_refused_saying_so(brok
     assert broker.client().call("GET", "/v1/leases") == {"leases": []}  # none was granted
 
 
+def test_a_body_that_is_not_json_or_that_json_cannot_hold_is_refused_saying_where_or_why() -> None:
+    """Every one of these was "the body is not valid JSON": a typo without its place, and valid JSON nested too deep
+    or holding an integer of thousands of digits, as if it were not JSON."""
+    for raw, said, details in (
+        (b'{"gpu_memory": "1GiB" "ttl": "1m"}', "the body is not valid JSON: Expecting ',' delimiter at line 1 column 23", {"offset": 22}),
+        (b'{"gpu_memory":\n  1GiB}', "the body is not valid JSON: Expecting ',' delimiter at line 2 column 4", {"offset": 18}),
+        (
+            '{"name": "caf\u00e9" x}'.encode(),
+            "the body is not valid JSON: Expecting ',' delimiter at line 1 column 17",
+            {"offset": 17},
+        ),  # é: 2 bytes
+        (b'{"ttl": NaN}', "the body is not valid JSON: NaN is no JSON value", {}),
+        (b"[1, -Infinity]", "the body is not valid JSON: -Infinity is no JSON value", {}),
+        (b"", "the body is not valid JSON: it is empty", {"offset": 0}),
+        (b"[" * 30_000 + b"]" * 30_000, "the body nests arrays or objects too deeply to be read", {}),
+        (b'{"cpu_cores": ' + b"9" * 5000 + b"}", "the body holds an integer of more than 4300 digits", {}),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            decode_json(raw)
+        assert (refused.value.message, refused.value.details) == (said, details)
+
+
 @given(JSON_VALUES)
 def test_a_body_decodes_as_json_loads_decodes_it_when_no_key_is_given_twice(value: Any) -> None:
     raw = json.dumps(value, ensure_ascii=False).encode()
