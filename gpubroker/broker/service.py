@@ -913,7 +913,8 @@ class Broker:
                 request,
                 Refusal(
                     FailureCode.QUEUE_FULL,
-                    f"{len(queued)} {priority} requests already wait on node {self.config.name} ({whom}); the queue holds {self.config.queue_limit}",
+                    f"{len(queued)} {priority} requests already wait on node {self.config.name} ({whom}); the queue holds "
+                    f"{self.config.queue_limit} (queue_limit): ask again once some of them are granted or cancelled",
                     {"priority": priority, "queue_limit": self.config.queue_limit, "waiting_by_user": dict(by_whom)},
                 ),
             )

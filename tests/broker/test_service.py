@@ -351,7 +351,10 @@ async def test_queue_full_names_the_users_whose_requests_fill_the_queue(make_nod
     error = await node.refused(Caller("unix", uid=os.getuid() + 1, pid=None), gpu_memory="10GiB", wait="1m")
     assert error.code is FailureCode.QUEUE_FULL
     me = pwd.getpwuid(os.getuid()).pw_name
-    assert f"3 interactive requests already wait on node tower ({me} 2, anonymous (tcp) 1)" in error.message
+    assert error.message == (
+        f"3 interactive requests already wait on node tower ({me} 2, anonymous (tcp) 1); the queue holds 3 (queue_limit): "
+        "ask again once some of them are granted or cancelled"
+    )
     assert error.details["waiting_by_user"] == {me: 2, "anonymous (tcp)": 1}
     for task in waiting:
         task.cancel()
