@@ -26,7 +26,7 @@ from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
 from gpubroker.gossip.documents import listed_missing
-from gpubroker.units import UnitError, gib, parse_duration, parse_time, printable_text
+from gpubroker.units import MAX_SECONDS, UnitError, gib, parse_duration, parse_time, printable_text
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -258,7 +258,8 @@ def _asking_patience(args: argparse.Namespace) -> float | None:
             limits.append(max(0.0, parse_time(args.deadline) - time.time()))  # the broker's clock may differ: the margin covers it
     if not limits and args.wait == "forever":
         return None
-    return min(limits, default=0.0) + REQUEST_TIMEOUT
+    patience = min(limits, default=0.0) + REQUEST_TIMEOUT
+    return None if patience > MAX_SECONDS else patience  # a deadline centuries away: for ever (no socket waits that long)
 
 
 def _gate_in_child(gate: int, die_with_parent: Callable[[], None]) -> Callable[[], None]:
@@ -574,12 +575,14 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
             except ClientError as error:
                 gone = error.status in (404, 409)  # the lease has ended: so does CMD, even if the broker could not see to it
                 stopped = f"; it has ended, so CMD is stopped (SIGTERM, SIGKILL after {STOP_GRACE:g}s)" if gone else ""
-                _tell(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}{stopped}")
+                if gone or not failed:  # said once: a broker down for minutes is not a line a second
+                    _tell(f"gpubroker: lease {lease['id']} could not be renewed: {error.code}: {error.message}{stopped}")
                 if gone:
                     _stop_group(child.pid, ended)
                     return
                 failed = True
-                wait = min(ttl / 3, max(0.0, runs_out - time.monotonic()))  # tried again before it runs out, and looked at then
+                # Tried again every second (a broker back in time renews it), and looked at once it has run out.
+                wait = min(RENEW_RETRY, ttl / 3, max(0.0, runs_out - time.monotonic()))
                 continue
             runs_out, wait = time.monotonic() + ttl, ttl / 3
             if failed:
@@ -632,6 +635,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     return code if code >= 0 else 128 - code
 
 
+RENEW_RETRY = 1.0  # seconds between tries to renew once one has failed, until the lease runs out
 STOPPED_TTL = "24h"  # the lease's TTL while its job is stopped: the renewer stops with it, the work's memory stays held
 
 
@@ -716,7 +720,9 @@ def _release_after(client: Client, lease_id: str, token: dict[str, str], patienc
             _tell(f"gpubroker: lease {lease_id} was {now['state']} before CMD ended: {now.get('reason')}")
             return
     except ClientError as error:
-        if error.code == "TIMEOUT":  # a release would wait as long for nothing; the lease is bound to this process
+        # Stopped, or not answering: a release would fare no better. The lease is bound to this process, so the broker
+        # releases it once it sees it gone (at once when it answers again, or as it starts).
+        if error.code in ("TIMEOUT", "UNREACHABLE"):
             _tell(
                 f"gpubroker: lease {lease_id} is not released: {error.message}; it is released once the broker sees that "
                 "its holder is gone (this process, which exits now)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pwd
 import re
@@ -30,6 +31,7 @@ import pytest
 from conftest import BINARY, BrokerProcess, wait_for
 
 from gpubroker.client import Client
+from gpubroker.units import parse_time
 
 GIB = 2**30
 MakeBroker = Callable[..., BrokerProcess]  # the broker_process fixture: a factory of brokers
@@ -532,24 +534,31 @@ def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease
     assert [e["type"] for e in later if e["type"] == "request.refused"] == []  # no DELETE of an ended lease was sent
 
 
-@pytest.mark.slow  # 10 s of waiting for renewals a TTL apart
-def test_renewals_that_resume_after_the_broker_restarts_say_so(
+@pytest.mark.slow  # 15 s of waiting for renewals a TTL apart
+def test_renewals_that_resume_after_the_broker_restarts_say_so_and_keep_cmd_going(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
     """A failed renewal is said ("start one with `gpubroker up`"): without a word when renewals work again, the user
-    of a long job could only guess whether its lease was lost."""
+    of a long job could only guess whether its lease was lost. And they are tried again every second: tried only a third
+    and two thirds of the TTL after the last one that worked, a broker back after the second was never asked, and CMD
+    was stopped as the lease ran out, though the broker held it still."""
     broker = start_broker(gpubroker, broker_process)
     holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "15s", "--", "sleep", "600"], broker.env)
     wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    lease = granted_to(broker.client(), holder.pid)
+    assert lease is not None
     broker.stop()
     wait_for(lambda: "could not be renewed" in lease_log(tmp_path), timeout=30.0)
+    time.sleep(max(0.0, parse_time(lease["granted_at"]) + 10.5 - time.time()))  # past the try two thirds of the TTL in
     broker.start()
 
     wait_for(lambda: "renewed again" in lease_log(tmp_path), timeout=30.0)
-    lease = granted_to(broker.client(), holder.pid)
-    assert lease is not None
-    assert re.search(rf"^gpubroker: lease {lease['id']} renewed again: it expires \S+Z$", lease_log(tmp_path), re.MULTILINE)
+    said = lease_log(tmp_path)
+    assert re.search(rf"^gpubroker: lease {lease['id']} renewed again: it expires \S+Z$", said, re.MULTILINE)
+    assert said.count("could not be renewed") == 1, said  # said once, not once a second
+    assert "has run out" not in said
     assert holder.poll() is None  # CMD goes on
+    assert (granted_to(broker.client(), holder.pid) or {}).get("id") == lease["id"]
 
 
 def test_a_broker_that_no_longer_knows_the_lease_has_cmd_stopped_and_says_so(
@@ -604,6 +613,34 @@ def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_e
         broker.proc.send_signal(signal.SIGCONT)
     wait_for(lambda: broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "released", timeout=10.0)
     assert broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"holder pid {holder.pid} exited"
+
+
+def test_a_lease_whose_broker_is_down_when_cmd_ends_is_said_to_be_released_once_the_broker_is_back(
+    gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """`releasing l-…: UNREACHABLE: …` said nothing of what becomes of the lease; a broker that does not answer in time
+    was already said to release it once it sees its holder gone, as a restarted one does."""
+    broker = start_broker(gpubroker, broker_process)
+    done, started = tmp_path / "done", tmp_path / "started"
+    cmd = ["sh", "-c", 'touch "$1"; while [ ! -e "$0" ]; do sleep 0.05; done', str(done), str(started)]
+    holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "1m", "--", *cmd], broker.env)
+    wait_for(started.exists, timeout=20.0)
+    lease = granted_to(broker.client(), holder.pid)
+    assert lease is not None
+    broker.stop()
+    done.touch()
+
+    assert holder.wait(60) == 0  # CMD's status
+    said = lease_log(tmp_path)
+    assert re.search(
+        rf"^gpubroker: lease {lease['id']} is not released: no broker answers at unix:\S+ \(.*\); start one with `gpubroker up`; "
+        r"it is released once the broker sees that its holder is gone \(this process, which exits now\)$",
+        said,
+        re.MULTILINE,
+    ), said
+    broker.start()
+    released = broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]
+    assert (released["state"], released["reason"]) == ("released", f"holder pid {holder.pid} exited while the broker was down")
 
 
 @pytest.mark.parametrize("read", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["said", "unread"])
@@ -812,6 +849,21 @@ def test_gpubroker_lease_with_a_cmd_that_cannot_be_run_says_so_before_asking_for
         done = subprocess.run([*gpubroker, "lease", "--wait", "forever", *argv], env=broker.env, capture_output=True, timeout=60)
         assert (done.returncode, done.stderr.decode()) == (code, f"gpubroker: {said}; no lease was asked for\n"), argv
     assert broker.client().call("GET", "/v1/leases")["leases"] == []  # nothing was asked for
+
+
+def test_gpubroker_lease_with_a_deadline_centuries_away_waits_for_it_without_a_traceback(
+    gpubroker: list[str], broker_process: MakeBroker
+) -> None:
+    """The answer was waited for until the deadline: a socket timeout of thousands of years, an OverflowError."""
+    broker = start_broker(gpubroker, broker_process)
+    done = subprocess.run(
+        [*gpubroker, "lease", "--cpu-cores", "1", "--deadline", "9999-12-31T23:59:59Z", "--json"],
+        env=broker.env,
+        capture_output=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr) == (0, b"")
+    assert json.loads(done.stdout)["state"] == "granted"
 
 
 def test_gpubroker_lease_whose_output_cannot_be_written_releases_the_lease_it_got(
