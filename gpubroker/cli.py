@@ -192,11 +192,13 @@ def _request_body(args: argparse.Namespace, bind: str) -> dict[str, Any]:
     if holder:
         body["holder"] = holder
     if args.label:
-        labels = {}
+        labels: dict[str, str] = {}
         for item in args.label:
             key, sep, value = item.partition("=")
-            if not sep:
+            if not sep or not key:
                 raise SystemExit(f"gpubroker: --label {item!r} is not K=V")
+            if key in labels:  # the first or the last? Neither is kept without a word.
+                raise SystemExit(f"gpubroker: --label {key} is given twice ({key}={labels[key]}, {item}); give each key once")
             labels[key] = value
         body["labels"] = labels
     return body
@@ -291,6 +293,11 @@ def _cannot_run(command: str) -> tuple[int, str] | None:
 
 
 def cmd_lease(args: argparse.Namespace) -> int:
+    if args.gpu_memory is None and args.cpu_cores is None and args.memory is None and not args.exclusive:
+        # The broker's word for it names the API's fields (gpu_memory, …); at the command line the flags are what to give.
+        pins = " (--gpu and --gpus say which GPUs and how many, for --gpu-memory or --exclusive)" if args.gpu or args.gpus else ""
+        print(f"gpubroker: give --gpu-memory, --exclusive, --cpu-cores or --memory{pins}; no lease was asked for", file=sys.stderr)
+        return 2
     if args.command and (cannot := _cannot_run(args.command[0])) is not None:
         # Said before asking: a mistyped CMD (or a word taken for it, `--gpu-memory 8 GiB`) was found out only once the
         # lease had been waited for and granted, in the words of the shell that starts CMD.
@@ -811,6 +818,9 @@ def _asked_gpus(request: dict[str, Any]) -> str:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
+    if not args.id.strip():  # `gpubroker release "$ID"` with ID unset: not the broker's "no such path: /v1/leases/"
+        print("gpubroker: give the id of a lease or waiting request (`gpubroker leases` lists them)", file=sys.stderr)
+        return 2
     headers = {"X-Lease-Token": args.token} if args.token else {}
     try:
         lease = Client().call("DELETE", f"/v1/leases/{urllib.parse.quote(args.id, safe='')}", headers=headers)["lease"]

@@ -105,7 +105,8 @@ def _is_address(url: str) -> bool:
         parts.port  # noqa: B018 (read for the ValueError of a port that is no number or out of range)
     except ValueError:
         return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname)
+    # A path is no part of the broker's address (`http://HOST:PORT/v1`): the client's paths would be read without it.
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.path in ("", "/") and not parts.query
 
 
 def _listening(path: Path) -> bool | None:
@@ -203,6 +204,16 @@ class Client:
                 "UNREACHABLE",
                 f"the broker at {self.endpoint.url} went away while it handled {method} {path.partition('?')[0]} ({error}); "
                 "what it asked may or may not have been done: look (`gpubroker leases`, `gpubroker events`) before asking again",
+            ) from None
+        except ssl.SSLError as error:
+            parts = urlsplit(self.endpoint.url)
+            if error.reason != "WRONG_VERSION_NUMBER":  # its certificate, say: said as it is
+                raise ClientError(0, "UNREACHABLE", f"no broker answers at {self.endpoint.url} ({error})") from None
+            raise ClientError(
+                0,
+                "UNREACHABLE",
+                f"the broker at {self.endpoint.url} answers plain http, not https (a broker serves https only on a LAN "
+                f"address): give GPUBROKER_URL=http://{parts.netloc}",
             ) from None
         except OSError as error:
             if isinstance(error, PermissionError) and self.endpoint.is_unix:

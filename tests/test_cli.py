@@ -417,7 +417,10 @@ def test_the_api_token_is_never_sent_over_plain_http_beyond_this_machine() -> No
         local.call("GET", "/v1/node", timeout=2)
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:notaport", "http://127.0.0.1:99999", "http://[::1", "http://", "https://:9740", "unix:"])
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:notaport", "http://127.0.0.1:99999", "http://[::1", "http://", "https://:9740", "unix:", "http://127.0.0.1:9740/v1"],
+)
 def test_a_gpubroker_url_that_is_no_address_is_named_and_nothing_is_asked(
     url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -425,6 +428,63 @@ def test_a_gpubroker_url_that_is_no_address_is_named_and_nothing_is_asked(
     assert cli.main(["lease", "--cpu-cores", "1", "--", "true"]) == 1
     said = capsys.readouterr().err
     assert said == f"gpubroker: INVALID_REQUEST: GPUBROKER_URL={url!r} is not unix:PATH, http://HOST:PORT or https://HOST:PORT\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--", "true"], "give --gpu-memory, --exclusive, --cpu-cores or --memory; no lease was asked for"),
+        (
+            ["--gpu", "1", "--", "true"],
+            "give --gpu-memory, --exclusive, --cpu-cores or --memory (--gpu and --gpus say which GPUs and how many, for "
+            "--gpu-memory or --exclusive); no lease was asked for",
+        ),
+        (["--cpu-cores", "1", "--label", "=v"], "--label '=v' is not K=V"),
+        (["--cpu-cores", "1", "--label", "a=b", "--label", "a=c"], "--label a is given twice (a=b, a=c); give each key once"),
+    ],
+)
+def test_a_lease_asked_for_in_flags_that_ask_for_nothing_or_repeat_a_label_is_refused_in_flags(
+    argv: list[str], said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpubroker lease -- true` was told to give `gpu_memory, exclusive, cpu_cores or memory`, the API's fields, and
+    `--gpu 1` alone that it pins one GPU "but 0 are asked for"; a label given twice kept the last without a word."""
+    monkeypatch.setenv("GPUBROKER_URL", "http://127.0.0.1:1")  # nothing may be asked: nothing answers there
+    try:
+        code = cli.main(["lease", *argv])
+    except SystemExit as stopped:
+        code, message = 1, str(stopped.code)
+    else:
+        message = capsys.readouterr().err
+    assert message.rstrip("\n") == f"gpubroker: {said}"
+    assert code == (2 if "no lease was asked for" in said else 1)
+
+
+def test_release_of_an_empty_id_asks_for_one(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpubroker release "$ID"` with ID unset was answered `NOT_FOUND: no such path: /v1/leases/`."""
+    monkeypatch.setenv("GPUBROKER_URL", "http://127.0.0.1:1")  # nothing may be asked: nothing answers there
+    assert cli.main(["release", ""]) == 2
+    assert capsys.readouterr().err == "gpubroker: give the id of a lease or waiting request (`gpubroker leases` lists them)\n"
+
+
+def test_https_to_a_broker_that_answers_plain_http_says_to_use_http() -> None:
+    """It read `no broker answers at https://…; start one with gpubroker up`, with one answering there."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def answer_plainly() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(4096)
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+        threading.Thread(target=answer_plainly, daemon=True).start()
+        with pytest.raises(ClientError) as refused:
+            Client(Endpoint(f"https://127.0.0.1:{port}")).call("GET", "/v1/node", timeout=5)
+    assert refused.value.code == "UNREACHABLE"
+    assert refused.value.message == (
+        f"the broker at https://127.0.0.1:{port} answers plain http, not https (a broker serves https only on a LAN address): "
+        f"give GPUBROKER_URL=http://127.0.0.1:{port}"
+    )
 
 
 @pytest.mark.parametrize("url", ["http://alice:s3cr/et@127.0.0.1:9740", "https://alice:s3cr/et@[::1]:9740/"])
