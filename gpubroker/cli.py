@@ -285,11 +285,30 @@ def _cannot_run(command: str) -> tuple[int, str] | None:
         # whether CMD is there is for that shell to say, once the lease is granted, not for a guess to refuse.
         return None
     # An empty PATH is, to /bin/sh, the current directory; to shutil.which, nowhere.
-    if shutil.which(command, path=path or os.curdir) is not None:  # as /bin/sh finds it: on PATH, or a path with a slash
-        return None
+    found = shutil.which(command, path=path or os.curdir)  # as /bin/sh finds it: on PATH, or a path with a slash
+    if found is not None:
+        return _cannot_interpret(found)
     if os.sep in command and os.path.exists(command):
         return 126, "it is a directory" if os.path.isdir(command) else "it is not executable"
     return 127, "no such file" if os.sep in command else "command not found"
+
+
+def _cannot_interpret(script: str) -> tuple[int, str] | None:
+    """A script whose `#!` names an interpreter that is not there, or cannot be run: the kernel's ENOENT reads, in the
+    shell's words, as if the script itself were missing (`exec: ./train.sh: not found`)."""
+    try:
+        with open(script, "rb") as file:
+            first = file.readline(256)
+    except OSError:
+        return None
+    if not first.startswith(b"#!") or not first[2:].split():
+        return None
+    interpreter = os.fsdecode(first[2:].split()[0])
+    if not os.path.exists(interpreter):
+        return 127, f"its interpreter {interpreter} (its #! line) is not found"
+    if os.path.isdir(interpreter) or not os.access(interpreter, os.X_OK):
+        return 126, f"its interpreter {interpreter} (its #! line) cannot be run"
+    return None
 
 
 def cmd_lease(args: argparse.Namespace) -> int:

@@ -840,11 +840,19 @@ def test_gpubroker_lease_with_a_cmd_that_cannot_be_run_says_so_before_asking_for
     broker = start_broker(gpubroker, broker_process)
     script = tmp_path / "train.sh"
     script.write_text("exit 0\n")  # not executable
+    orphan = tmp_path / "orphan.sh"
+    orphan.write_text("#!/no/such/interpreter -e\nexit 0\n")
+    orphan.chmod(0o755)
     for argv, code, said in (
         (["--gpu-memory", "8", "GiB"], 127, "cannot run GiB: command not found"),
         (["--cpu-cores", "1", "--", "no-such-command-anywhere", "arg"], 127, "cannot run no-such-command-anywhere: command not found"),
         (["--cpu-cores", "1", "--", str(script)], 126, f"cannot run {script}: it is not executable"),
         (["--cpu-cores", "1", "--", str(tmp_path)], 126, f"cannot run {tmp_path}: it is a directory"),
+        (
+            ["--cpu-cores", "1", "--", str(orphan)],
+            127,
+            f"cannot run {orphan}: its interpreter /no/such/interpreter (its #! line) is not found",
+        ),
     ):
         done = subprocess.run([*gpubroker, "lease", "--wait", "forever", *argv], env=broker.env, capture_output=True, timeout=60)
         assert (done.returncode, done.stderr.decode()) == (code, f"gpubroker: {said}; no lease was asked for\n"), argv
