@@ -120,6 +120,14 @@ def read_environ(path: Path) -> dict[str, str]:
     return {key: value for key, _, value in items}
 
 
+def cmd_runs(holder: int, name: str) -> bool:
+    """Whether a process of CMD's named `name` runs below the holder: CMD has started, past its registration (a group
+    is listed with the lease as soon as it is registered in memory, before that is on disk and answered)."""
+    with contextlib.suppress(psutil.Error):
+        return any(child.name() == name for child in psutil.Process(holder).children(recursive=True))
+    return False
+
+
 def granted_to(client: Client, pid: int) -> dict[str, Any] | None:
     leases = client.call("GET", "/v1/leases", query={"state": "granted"})["leases"]
     return next((lease for lease in leases if lease["holder"]["pid"] == pid), None)
@@ -521,7 +529,7 @@ def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease
     client = broker.client()
     cmd = ["sh", "-c", 'trap "exit 3" TERM; sleep 30 & wait']
     holder = spawn([*gpubroker, "lease", "--gpu-memory", "4GiB", "--", *cmd], broker.env)
-    wait_for(lambda: (granted_to(client, holder.pid) or {}).get("process_groups"), timeout=20.0)  # CMD has started
+    wait_for(lambda: cmd_runs(holder.pid, "sleep"), timeout=20.0)  # CMD has started, and set its trap
     lease = granted_to(client, holder.pid)
     assert lease is not None
     events_before = client.call("GET", "/v1/events", query={"after": 0, "limit": 1000})["next"]
@@ -544,7 +552,7 @@ def test_renewals_that_resume_after_the_broker_restarts_say_so_and_keep_cmd_goin
     was stopped as the lease ran out, though the broker held it still."""
     broker = start_broker(gpubroker, broker_process)
     holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "15s", "--", "sleep", "600"], broker.env)
-    wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    wait_for(lambda: cmd_runs(holder.pid, "sleep"), timeout=20.0)
     lease = granted_to(broker.client(), holder.pid)
     assert lease is not None
     broker.stop()
@@ -568,7 +576,7 @@ def test_a_broker_that_no_longer_knows_the_lease_has_cmd_stopped_and_says_so(
     that it was being stopped, nor why."""
     broker = start_broker(gpubroker, broker_process)
     holder = spawn([*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "12s", "--", "sleep", "600"], broker.env)
-    wait_for(lambda: (granted_to(broker.client(), holder.pid) or {}).get("process_groups"), timeout=20.0)
+    wait_for(lambda: cmd_runs(holder.pid, "sleep"), timeout=20.0)
     lease = granted_to(broker.client(), holder.pid)
     assert lease is not None
     broker.stop()
