@@ -623,6 +623,7 @@ def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_e
     assert broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"holder pid {holder.pid} exited"
 
 
+@pytest.mark.slow  # 5 s of looking for a broker that may be restarting
 def test_a_lease_whose_broker_is_down_when_cmd_ends_is_said_to_be_released_once_the_broker_is_back(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
