@@ -301,9 +301,10 @@ def _cannot_interpret(script: str) -> tuple[int, str] | None:
             first = file.readline(256)
     except OSError:
         return None
-    if not first.startswith(b"#!") or not first[2:].split():
+    words = first[2:].split() if first.startswith(b"#!") else []
+    if not words:
         return None
-    interpreter = os.fsdecode(first[2:].split()[0])
+    interpreter = os.fsdecode(words[0])
     if not os.path.exists(interpreter):
         return 127, f"its interpreter {interpreter} (its #! line) is not found"
     if os.path.isdir(interpreter) or not os.access(interpreter, os.X_OK):

@@ -1155,13 +1155,18 @@ class Broker:
 
     def _drop_waiter(self, waiter: Waiter) -> bool:
         """Whether it was still waiting: it waits no more, and those behind it are looked at again."""
-        if waiter.lease is None and self._watch is not None:
-            self._watch.unwatch(waiter.id)
+        if waiter.lease is None:
+            self._unwatch_holder(waiter)
         if waiter not in self.waiters:
             return False
         self.waiters.remove(waiter)
         self._scan()  # a waiter that leaves may unblock those behind it
         return True
+
+    def _unwatch_holder(self, waiter: Waiter) -> None:
+        """A request that waits no more, ungranted, no longer watches its holder (granted, the lease's watch replaced it)."""
+        if self._watch is not None:
+            self._watch.unwatch(waiter.id)
 
     def _waiting_holder_exited(self, waiter_id: str) -> None:
         waiter = self.find_waiter(waiter_id)
@@ -1191,8 +1196,7 @@ class Broker:
             if isinstance(decision, Refusal):
                 if waiter.request.deadline is not None and self._hopeless(waiter.request):  # a lease renewed past it, say
                     self.waiters.remove(waiter)
-                    if self._watch is not None:
-                        self._watch.unwatch(waiter.id)
+                    self._unwatch_holder(waiter)
                     refusal = self._deadline_hopeless(waiter.request, decision)
                     waiter.granted.set_exception(self._refused(waiter.request, refusal, waited=waiter.id))
                     continue
@@ -1205,8 +1209,7 @@ class Broker:
             try:
                 lease, token, writes = self._grant(waiter, decision)
             except BrokerError:  # its holder exited, and its pidfd has not said so yet
-                if self._watch is not None:
-                    self._watch.unwatch(waiter.id)
+                self._unwatch_holder(waiter)
                 waiter.granted.set_exception(self._holder_gone(waiter))
                 continue
             # Handed to the writer now, not a turn of the loop later: events reach the disk in the order of their

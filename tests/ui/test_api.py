@@ -323,6 +323,17 @@ def _raw(broker: BrokerProcess, request: bytes) -> tuple[int, dict[str, str], by
     return int(lines[0].split(" ")[1]), headers, body
 
 
+def _raw_lease_request(broker: BrokerProcess, body: bytes, headers: str = "") -> tuple[int, bytes]:
+    """`POST /v1/leases` with this body as it is, and `headers` (each line ending in CRLF) beside the usual ones."""
+    status, _, answer = _raw(
+        broker,
+        b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        + f"{headers}Content-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+    )
+    return status, answer
+
+
 @pytest.mark.parametrize(
     "request_line",
     [
@@ -378,23 +389,13 @@ def test_a_body_in_a_content_coding_the_broker_does_not_read_is_415_naming_the_o
     to install a Python package, meant for the server's owner."""
     plain = b'{"gpu_memory": "1GiB", "bind": "none"}'
     for coding in ("foo", "gzip, gzip", "compress", "br", "zstd"):
-        status, _, answer = _raw(
-            broker,
-            b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            + f"Content-Encoding: {coding}\r\nContent-Length: {len(plain)}\r\n\r\n".encode()
-            + plain,
-        )
+        status, answer = _raw_lease_request(broker, plain, f"Content-Encoding: {coding}\r\n")
         error = json.loads(answer)["error"]
         assert (status, error["code"]) == (415, "INVALID_REQUEST"), coding
         assert error["message"].endswith("is not one this broker reads: send the body plain, or as gzip or deflate"), error["message"]
         assert "install" not in error["message"]
     for coding, body in (("gzip", gzip.compress(plain)), ("deflate", zlib.compress(plain)), ("identity", plain)):
-        status, _, answer = _raw(
-            broker,
-            b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            + f"Content-Encoding: {coding}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            + body,
-        )
+        status, answer = _raw_lease_request(broker, body, f"Content-Encoding: {coding}\r\n")
         assert status == 201, (coding, answer)
     assert len(broker.client().call("GET", "/v1/leases")["leases"]) == 3  # none but these was granted
 
@@ -407,12 +408,7 @@ def test_a_body_that_gives_a_key_twice_or_is_not_utf_8_is_refused_saying_so(brok
         (b'{"gpu_memory": "1GiB", "holder": {"name": "a", "name": "b"}}', "name"),
         (b'{"cpu_cores": 1, "labels": {"k": "1", "j": "2", "k": "3"}}', "k"),
     ):
-        status, _, answer = _raw(
-            broker,
-            b"POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(raw)}\r\n\r\n".encode()
-            + raw,
-        )
+        status, answer = _raw_lease_request(broker, raw)
         error = json.loads(answer)["error"]
         assert (status, error["code"]) == (400, "INVALID_REQUEST")
         assert error["message"] == f"the body gives the key {key!r} more than once in one object; give each key once"
