@@ -755,12 +755,20 @@ async def test_a_renewal_or_registration_overtaken_by_a_release_is_a_conflict_no
     try:
         other, other_token = await node.ask(gpu_memory="1GiB", ttl="1h")
         caller = Caller("unix", uid=os.getuid(), pid=None)
+        commit, handed, released = node.broker.store.commit, asyncio.Event(), asyncio.Event()
+
+        async def held(writes: list[Write], *args: Any, **kwargs: Any) -> None:
+            node.broker.store.commit = commit  # type: ignore[method-assign]
+            synced = commit(writes, *args, **kwargs)
+            handed.set()
+            await released.wait()  # the registration goes on only once the lease is released, however fast the disk
+            await synced
+
+        node.broker.store.commit = held  # type: ignore[method-assign]
         registration = asyncio.create_task(node.broker.register_group(other["id"], caller, other_token, work.pid))
-        for _ in range(2000):  # its processes are read in a thread, then its write is handed over
-            if node.broker.leases[other["id"]].pgids:
-                break
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(handed.wait(), 10)  # its processes are read in a thread, then its write is handed over
         await node.broker.release(other["id"], TCP, other_token)
+        released.set()
         with pytest.raises(BrokerError) as caught:
             await registration
         assert caught.value.code is FailureCode.LEASE_CONFLICT
