@@ -789,6 +789,36 @@ async def test_live_leases_are_listed_in_the_order_they_were_granted_after_a_res
     assert [lease["id"] for lease in node.broker.list_leases(None, 3)] == granted[:3]
 
 
+async def test_a_full_store_still_keeps_every_release_and_expiry_with_its_event(make_node: Callable[..., Any]) -> None:
+    """A full store refused releases too, though its message said to release leases, and an expiry was made in memory
+    alone: its event was lost, and after a restart the lease was said to have expired while the broker was down."""
+    node = await make_node(store_size=2**20)
+    labels = {f"k{i}": "v" * 200 for i in range(16)}
+    held: list[tuple[dict[str, Any], str]] = []
+    with contextlib.suppress(StoreFull):
+        while True:
+            held.append(await node.ask(gpu_memory=1, ttl="10s" if len(held) < 8 else "1h", labels=labels))
+    full = await node.refused(gpu_memory=1, ttl="1h", labels=labels)
+    assert full.code is FailureCode.STORE_FULL
+    assert full.message.endswith("fills it too); releases and expiries are still kept meanwhile"), full.message
+    assert len(held) > 50
+    released = held[8:40]
+    for lease, token in released:
+        assert (await node.broker.release(lease["id"], TCP, token)).state == "released"
+    node.clock.advance(11)
+    node.broker.sweep()
+    await node.sample()
+    ended = {event["lease"]: event["type"] for event in await node.events() if event["type"] in ("lease.released", "lease.expired")}
+    assert ended == {lease["id"]: "lease.released" for lease, _ in released} | {lease["id"]: "lease.expired" for lease, _ in held[:8]}
+    with pytest.raises(StoreFull):  # the store is still full for anything else: what ended moved to the history
+        await node.ask(gpu_memory=1, ttl="1h", labels=labels)
+    await node.restart()
+    for lease, _ in held[:8]:
+        assert node.broker.get(lease["id"])["reason"].startswith("not renewed before its expiry "), node.broker.get(lease["id"])
+    assert {node.broker.get(lease["id"])["state"] for lease, _ in released} == {"released"}
+    assert {node.broker.get(lease["id"])["state"] for lease, _ in held[40:]} == {"granted"}
+
+
 async def test_a_renewal_the_store_refuses_leaves_the_lease_as_it_was(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, token = await node.ask(gpu_memory="1GiB", ttl="4s")
