@@ -162,9 +162,11 @@ class Store:
                     loaded.ended.append(msgpack.unpackb(value))
                 for key, value in txn.cursor(self._db["meta"]):
                     loaded.meta[key.decode()] = msgpack.unpackb(value)
-                cursor = txn.cursor(self._db["events"])
-                if cursor.last():
-                    loaded.last_event = _KEY.unpack(cursor.key())[0]
+                # Every kept event is read too (20 ms for 10,000): one damaged stops the start here, saying so, where it
+                # was found only by a reader of old events, whose request failed.
+                for key, value in txn.cursor(self._db["events"]):
+                    msgpack.unpackb(value)
+                    loaded.last_event = _KEY.unpack(key)[0]
         except (*_DAMAGE, ValueError, msgpack.UnpackException, struct.error) as error:
             raise StoreDamaged(self.damaged(f"{type(error).__name__}: {error}")) from None
         return loaded

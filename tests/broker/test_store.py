@@ -183,6 +183,28 @@ async def test_a_store_cut_short_to_nothing_is_refused_not_begun_again_empty(tmp
     assert data.stat().st_size == 0  # left as it was, for whoever restores it
 
 
+async def test_an_old_event_that_cannot_be_read_stops_the_start_saying_the_store_is_damaged(tmp_path: Path) -> None:
+    """Only the newest event was read at start: a store damaged among its old events was started on, and a reader of
+    them (`gpubroker events`) got a bare 500."""
+    store = Store(tmp_path, 16 * 2**20)
+    store.start()
+    try:
+        await store.commit([Write("events", seq_key(seq), {"seq": seq, "type": "test"}) for seq in range(1, 201)])
+    finally:
+        store.stop()
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=8)
+    events = env.open_db(b"events")
+    with env.begin(write=True) as txn:
+        txn.put(seq_key(1), b"\xc1", db=events)  # a byte msgpack never writes
+    env.close()
+    reopened = Store(tmp_path, 16 * 2**20)
+    try:
+        with pytest.raises(StoreDamaged, match="is damaged"):
+            reopened.load()
+    finally:
+        reopened.stop()
+
+
 async def test_a_store_whose_write_failed_says_once_it_can_be_written_again_with_no_request_coming(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
