@@ -154,8 +154,14 @@ def short_by(need: int, have: int, what: str = "left") -> str:
 
 
 # C0 and C1 control characters (DEL among them), and what reorders or hides text around it where it is shown: the
-# bidirectional marks, embeddings, overrides and isolates, zero-width characters and the line and paragraph separators.
-CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+# bidirectional marks, embeddings, overrides and isolates, zero-width characters and the line and paragraph separators;
+# and what shows as nothing: the combining grapheme joiner, the Hangul fillers, Khmer's inherent vowels, Mongolian's
+# vowel separator and variation selectors, the interlinear annotation marks and the tag characters. (A soft hyphen is
+# text, shown where a line breaks.)
+CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u2028-\u202e\u2060-\u2069"
+    "\u3164\ufeff\uffa0\ufff9-\ufffb\U000e0000-\U000e007f]"
+)
 
 
 def printable_text(text: str, keep: str = "") -> str:
@@ -169,4 +175,4 @@ def printable_text(text: str, keep: str = "") -> str:
 
 def _escape(char: str) -> str:
     code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +129,21 @@ def broker_process(tmp_path: Path) -> Iterator[type[BrokerProcess]]:
     yield make  # type: ignore[misc]
     for broker in made:
         broker.stop()
+
+
+@pytest.fixture
+def live_pid() -> Iterator[Callable[[], int]]:
+    """A factory of pids of processes that run until the test ends (`sleep`): a lease's holder.pid must be running."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def make() -> int:
+        started.append(subprocess.Popen(["sleep", "600"]))
+        return started[-1].pid
+
+    yield make
+    for process in started:
+        process.kill()
+        process.wait()
 
 
 @pytest.fixture(autouse=True)

@@ -355,6 +355,8 @@ def test_printable_text_writes_control_characters_as_their_escapes() -> None:
     assert printable_text("evil\x1b[2J\nforged\r\x85") == "evil\\x1b[2J\\x0aforged\\x0d\\x85"
     # What reorders or hides the text shown beside it (a name's right-to-left override turned "15.0" into "0.51").
     assert printable_text("job\u202e 15.0\u2028\u200b\u2066") == "job\\u202e 15.0\\u2028\\u200b\\u2066"
+    # What shows as nothing, so that two names that read alike are not alike.
+    assert printable_text("a\u3164\u115f\U000e0001\u180eb") == "a\\u3164\\u115f\\U000e0001\\u180eb"
     assert printable_text("naïve café 中文 \u00ad") == "naïve café 中文 \u00ad"  # letters and a soft hyphen stay
 
 

@@ -43,6 +43,17 @@ def start_time(pid: int) -> float | None:
         return None
 
 
+def process_of(pid: int) -> int | None:
+    """The process a thread id belongs to (its thread group: the pid itself for a process); None if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_bytes().splitlines():
+            if line.startswith(b"Tgid:"):
+                return int(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
 def group_started(pgid: int) -> float:
     """What a process group is known by as it is registered, against the reuse of its id: when its leader (the
     process whose pid is its id) started, or, where the leader is gone already, now, on the same scale."""

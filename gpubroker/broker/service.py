@@ -846,17 +846,23 @@ class Broker:
                     {"field": "holder.pid"},
                 )
             holder.pid = request.holder_pid
-        bind = request.bind or ("caller" if caller.transport == "unix" else "none")
-        # Bound to it or not, the holder's memory is the lease's: its start time keeps a later process with its pid from
-        # being taken for it. A Unix caller's was read with its connection, not on every request.
-        if holder.pid is not None and holder.start_time is None:
+            # Bound to it or not, the holder's memory is the lease's: its start time keeps a later process with its pid
+            # from being taken for it, so a pid nobody runs (whose memory would be the next process's) is refused.
             holder.start_time = holders.start_time(holder.pid)
-        if bind == "caller" and holder.pid is not None and holder.start_time is None and caller.transport != "unix":
-            raise InvalidRequest(
-                f"holder.pid {holder.pid} is not a running process, and bind: caller ties the lease to it: give the pid of "
-                "a living process that holds the lease, or bind: none",
-                {"field": "holder.pid"},
-            )
+            if holder.start_time is None:
+                raise InvalidRequest(
+                    f"holder.pid {holder.pid} is not a running process: give the pid of a living process that holds the "
+                    "lease, or leave holder.pid out",
+                    {"field": "holder.pid"},
+                )
+            if (process := holders.process_of(holder.pid)) not in (None, holder.pid):
+                raise InvalidRequest(
+                    f"holder.pid {holder.pid} is a thread of process {process}, not a process: give {process}",
+                    {"field": "holder.pid"},
+                )
+        bind = request.bind or ("caller" if caller.transport == "unix" else "none")
+        if holder.pid is not None and holder.start_time is None:  # a Unix caller's was read with its connection
+            holder.start_time = holders.start_time(holder.pid)
         if bind == "caller" and (holder.pid is None or holder.start_time is None):
             raise InvalidRequest(
                 "bind: caller needs a living holder process: call on the Unix socket, or give holder.pid", {"field": "bind"}

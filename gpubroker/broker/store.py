@@ -162,7 +162,7 @@ class Store:
                     loaded.ended.append(msgpack.unpackb(value))
                 for key, value in txn.cursor(self._db["meta"]):
                     loaded.meta[key.decode()] = msgpack.unpackb(value)
-                # Every kept event is read too (20 ms for 10,000): one damaged stops the start here, saying so, where it
+                # Every kept event is read too (about 30 ms for 10,000): one damaged stops the start here, saying so, where it
                 # was found only by a reader of old events, whose request failed.
                 for key, value in txn.cursor(self._db["events"]):
                     msgpack.unpackb(value)

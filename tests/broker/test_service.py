@@ -9,6 +9,8 @@ import pwd
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -1399,10 +1401,13 @@ async def test_groups_a_store_holds_are_kept_at_start_only_if_still_as_they_were
             group.wait()
 
 
-async def test_memory_still_used_after_release_is_reported_and_counts_as_external(make_node: Callable[..., Any]) -> None:
+async def test_memory_still_used_after_release_is_reported_and_counts_as_external(
+    make_node: Callable[..., Any], live_pid: Callable[[], int]
+) -> None:
     node = await make_node()
-    lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "trainer", "pid": 4242})
-    node.probe.processes[0] = [GpuProcess(4242, "python", 8 * GIB)]
+    pid = live_pid()  # the holder
+    lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "trainer", "pid": pid})
+    node.probe.processes[0] = [GpuProcess(pid, "python", 8 * GIB)]
     await node.sample()
     assert node.gpu()["processes"][0]["lease"] == lease["id"]
     assert node.gpu()["figures"]["external"] == 0
@@ -1421,19 +1426,20 @@ async def test_memory_still_used_after_release_is_reported_and_counts_as_externa
 
 
 async def test_a_step_of_the_wall_clock_neither_reports_memory_as_not_reclaimed_early_nor_holds_the_report_back(
-    make_node: Callable[..., Any],
+    make_node: Callable[..., Any], live_pid: Callable[[], int]
 ) -> None:
     """`reclaim_grace` is elapsed time: NTP stepping the clock an hour forward just after a release reported its work's
     memory as "still in use 3600s after release" at once; an hour back kept the report back for an hour."""
     node = await make_node()
+    pid = live_pid()  # the holder
 
     async def reported() -> list[tuple[str, str]]:
         await settle()
         return [(e["lease"], e["message"].split(" is ", 1)[1]) for e in await node.events("gpu.memory_not_reclaimed")]
 
     for step in (3600, -7200):  # an hour forward, then two back
-        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "trainer", "pid": 4242})
-        node.probe.processes[0] = [GpuProcess(4242, "python", 8 * GIB)]
+        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "trainer", "pid": pid})
+        node.probe.processes[0] = [GpuProcess(pid, "python", 8 * GIB)]
         await node.sample()
         await node.broker.release(lease["id"], TCP, token)
         before = await reported()
@@ -1449,17 +1455,18 @@ async def test_a_step_of_the_wall_clock_neither_reports_memory_as_not_reclaimed_
 
 
 async def test_a_worker_keeping_its_memory_from_lease_to_lease_leaves_one_reclaim_not_one_per_lease(
-    make_node: Callable[..., Any],
+    make_node: Callable[..., Any], live_pid: Callable[[], int]
 ) -> None:
     """A worker that leases, releases and leases again for each job, its memory kept loaded throughout, must not
     grow the broker's reclaims (and their reports) by one per job for as long as it runs."""
     node = await make_node()
-    node.probe.processes[0] = [GpuProcess(4242, "worker", 8 * GIB)]
+    pid = live_pid()  # the holder
+    node.probe.processes[0] = [GpuProcess(pid, "worker", 8 * GIB)]
     for _ in range(20):
-        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": 4242})
+        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": pid})
         await node.sample()
         await node.broker.release(lease["id"], TCP, token)  # released faster than it is sampled, too
-        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": 4242})
+        lease, token = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": pid})
         await node.broker.release(lease["id"], TCP, token)
         node.clock.advance(1)
         await node.sample()
@@ -1469,7 +1476,7 @@ async def test_a_worker_keeping_its_memory_from_lease_to_lease_leaves_one_reclai
     await settle()
     [reported] = await node.events("gpu.memory_not_reclaimed")
     assert reported["lease"] == lease["id"]  # the last lease's, the one whose memory is still in use
-    again, _ = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": 4242})
+    again, _ = await node.ask(gpu_memory="8GiB", holder={"name": "worker", "pid": pid})
     await node.sample()  # its memory is a live lease's again: nothing is left over
     assert node.broker._reclaims == []
     assert node.gpu()["processes"][0]["lease"] == again["id"]
@@ -1512,10 +1519,13 @@ async def test_a_process_that_reuses_a_lease_holders_pid_is_not_taken_for_its_wo
         holder.wait()
 
 
-async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_use(make_node: Callable[..., Any]) -> None:
+async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_use(
+    make_node: Callable[..., Any], live_pid: Callable[[], int]
+) -> None:
     node = await make_node()
-    lease, _ = await node.ask(gpu_memory="10GiB", holder={"name": "greedy", "pid": 4243})
-    node.probe.processes[0] = [GpuProcess(4243, "python", 12 * GIB)]
+    pid = live_pid()  # the holder
+    lease, _ = await node.ask(gpu_memory="10GiB", holder={"name": "greedy", "pid": pid})
+    node.probe.processes[0] = [GpuProcess(pid, "python", 12 * GIB)]
     await node.sample()
     await settle()
     assert node.gpu()["figures"]["leased"] == 12 * GIB
@@ -1525,34 +1535,40 @@ async def test_a_holder_using_more_than_declared_is_reported_and_counted_at_its_
     assert over[0]["details"] == {"declared": 10 * GIB, "observed": 12 * GIB}
 
 
-async def test_a_lease_using_more_than_declared_on_its_second_gpu_too_is_reported_there_too(make_node: Callable[..., Any]) -> None:
+async def test_a_lease_using_more_than_declared_on_its_second_gpu_too_is_reported_there_too(
+    make_node: Callable[..., Any], live_pid: Callable[[], int]
+) -> None:
     """Over its declaration on each of two GPUs, one after the other: each GPU is reported, not only the first."""
     node = await make_node([24 * GIB, 24 * GIB])
-    await node.ask(gpu_memory="4GiB", gpus=2, holder={"name": "greedy", "pid": 4243})
-    node.probe.processes = {0: [GpuProcess(4243, "python", 6 * GIB)], 1: [GpuProcess(4243, "python", 2 * GIB)]}
+    pid = live_pid()  # the holder
+    await node.ask(gpu_memory="4GiB", gpus=2, holder={"name": "greedy", "pid": pid})
+    node.probe.processes = {0: [GpuProcess(pid, "python", 6 * GIB)], 1: [GpuProcess(pid, "python", 2 * GIB)]}
     await node.sample()
-    node.probe.processes[1] = [GpuProcess(4243, "python", 7 * GIB)]
+    node.probe.processes[1] = [GpuProcess(pid, "python", 7 * GIB)]
     await node.sample()
     await settle()
     over = await node.events("lease.over_declared")
     assert [(e["gpu"], e["details"]["observed"]) for e in over] == [("GPU-fake-0", 6 * GIB), ("GPU-fake-1", 7 * GIB)]
 
 
-async def test_a_lease_taken_inside_another_leases_work_owns_its_own_processes_memory(make_node: Callable[..., Any]) -> None:
+async def test_a_lease_taken_inside_another_leases_work_owns_its_own_processes_memory(
+    make_node: Callable[..., Any], live_pid: Callable[[], int]
+) -> None:
     """Nested leases (`gpubroker lease -- CMD` inside another's CMD): each process is its nearest lease's, never the
     outer lease's too. The outer lease used to take every process below its holder: 8 GiB used within the 8 declared
     was 12 leased, 4 GiB counted twice, and the outer lease said over-declared."""
     node = await make_node()
-    outer, _ = await node.ask(gpu_memory="4GiB", holder={"name": "outer", "pid": 100})
-    inner, _ = await node.ask(gpu_memory="4GiB", holder={"name": "inner", "pid": 102})
-    # outer's CLI 100 runs the shell 101 (its CMD, group 101), which runs 104 in the background and the inner CLI
-    # 102, whose CMD 103 has a group of its own; 105 is a child of 103 that left for a group of its own.
+    outer_pid, inner_pid = live_pid(), live_pid()  # the CLIs holding the leases
+    outer, _ = await node.ask(gpu_memory="4GiB", holder={"name": "outer", "pid": outer_pid})
+    inner, _ = await node.ask(gpu_memory="4GiB", holder={"name": "inner", "pid": inner_pid})
+    # outer's CLI runs the shell 101 (its CMD, group 101), which runs 104 in the background and the inner CLI, whose
+    # CMD 103 has a group of its own; 105 is a child of 103 that left for a group of its own.
     node.broker.leases[outer["id"]].pgids.append(101)
     node.broker.leases[inner["id"]].pgids.append(103)
     node.probe.processes[0] = [
-        GpuProcess(104, "outer-work", 2 * GIB, pgid=101, ancestors=(101, 100, 1)),
-        GpuProcess(103, "inner-work", 3 * GIB, pgid=103, ancestors=(102, 101, 100, 1)),
-        GpuProcess(105, "inner-child", GIB, pgid=105, ancestors=(103, 102, 101, 100, 1)),
+        GpuProcess(104, "outer-work", 2 * GIB, pgid=101, ancestors=(101, outer_pid, 1)),
+        GpuProcess(103, "inner-work", 3 * GIB, pgid=103, ancestors=(inner_pid, 101, outer_pid, 1)),
+        GpuProcess(105, "inner-child", GIB, pgid=105, ancestors=(103, inner_pid, 101, outer_pid, 1)),
     ]
     await node.sample()
     await settle()
@@ -1561,12 +1577,12 @@ async def test_a_lease_taken_inside_another_leases_work_owns_its_own_processes_m
     assert [(lease["id"], lease["used"]) for lease in gpu["leases"]] == [(outer["id"], 2 * GIB), (inner["id"], 4 * GIB)]
     assert (gpu["figures"]["external"], gpu["figures"]["leased"]) == (0, 8 * GIB)
     assert await node.events("lease.over_declared") == []
-    # The shell exec'd the inner CLI: 102 is both the outer CMD's group leader and the inner lease's holder. Work it
+    # The shell exec'd the inner CLI: it is both the outer CMD's group leader and the inner lease's holder. Work it
     # ran in the background before is in the outer group; the inner CMD is in its own.
-    node.broker.leases[outer["id"]].pgids[:] = [102]
+    node.broker.leases[outer["id"]].pgids[:] = [inner_pid]
     node.probe.processes[0] = [
-        GpuProcess(104, "outer-work", 4 * GIB, pgid=102, ancestors=(102, 100, 1)),
-        GpuProcess(103, "inner-work", 4 * GIB, pgid=103, ancestors=(102, 100, 1)),
+        GpuProcess(104, "outer-work", 4 * GIB, pgid=inner_pid, ancestors=(inner_pid, outer_pid, 1)),
+        GpuProcess(103, "inner-work", 4 * GIB, pgid=103, ancestors=(inner_pid, outer_pid, 1)),
     ]
     await node.sample()
     await settle()
@@ -1576,12 +1592,15 @@ async def test_a_lease_taken_inside_another_leases_work_owns_its_own_processes_m
     assert await node.events("lease.over_declared") == []
 
 
-async def test_a_lease_using_more_than_it_declared_is_not_external_pressure(make_node: Callable[..., Any]) -> None:
+async def test_a_lease_using_more_than_it_declared_is_not_external_pressure(
+    make_node: Callable[..., Any], live_pid: Callable[[], int]
+) -> None:
     """EXTERNAL_GPU_PRESSURE is external usage growing into leased or reserved memory (SPEC §3.6): a lease's own
     processes overusing its room leave no room, and the refusal names that lease, not outside usage."""
     node = await make_node([12 * GIB])
-    lease, _ = await node.ask(gpu_memory="2GiB", holder={"name": "hog", "pid": 4243})
-    node.probe.processes[0] = [GpuProcess(4243, "hog", 23 * GIB // 2)]
+    pid = live_pid()  # the holder
+    lease, _ = await node.ask(gpu_memory="2GiB", holder={"name": "hog", "pid": pid})
+    node.probe.processes[0] = [GpuProcess(pid, "hog", 23 * GIB // 2)]
     await node.sample()
     gpu = node.gpu()
     assert (gpu["figures"]["external"], gpu["figures"]["leased"], gpu["figures"]["schedulable"]) == (0, 23 * GIB // 2, 0)
@@ -1622,19 +1641,22 @@ async def test_a_process_list_the_driver_cannot_give_leaves_memory_unattributed(
     assert gpu["processes"] == []
 
 
-async def test_a_leases_process_whose_size_the_driver_does_not_give_is_not_external_too(make_node: Callable[..., Any]) -> None:
+async def test_a_leases_process_whose_size_the_driver_does_not_give_is_not_external_too(
+    make_node: Callable[..., Any], live_pid: Callable[[], int]
+) -> None:
     """Where NVML lists a process but not its memory (some containers, WDDM), a lease's process's memory was external
     (unattributed) besides the lease's declared bytes: counted twice, on an 8 GiB card it was external pressure with
     nothing on it but the lease's own work using what it declared. The lease is taken to use up to what it declared
     of what no size accounts for; what is left over cannot be said to be unexplained, so it is not measured."""
     node = await make_node([8 * GIB])
-    lease, _ = await node.ask(gpu_memory="4GiB", holder={"name": "trainer", "pid": 4242})
-    node.probe.processes[0] = [GpuProcess(4242, "python", None)]
+    pid = live_pid()  # the holder
+    lease, _ = await node.ask(gpu_memory="4GiB", holder={"name": "trainer", "pid": pid})
+    node.probe.processes[0] = [GpuProcess(pid, "python", None)]
     node.probe.unlisted[0] = 4 * GIB
     await node.sample()
     await settle()
     gpu = node.gpu()
-    assert gpu["processes"] == [{"pid": 4242, "name": "python", "bytes": None, "lease": lease["id"]}]
+    assert gpu["processes"] == [{"pid": pid, "name": "python", "bytes": None, "lease": lease["id"]}]
     assert (gpu["figures"]["external"], gpu["figures"]["leased"], gpu["figures"]["schedulable"]) == (0, 4 * GIB, 3 * GIB)
     assert gpu["unattributed"] is None
     assert gpu["pressure"] is False
@@ -2103,13 +2125,26 @@ async def test_a_holder_pid_naming_the_broker_or_its_ancestors_is_refused(make_n
     assert node.broker.list_leases(None, 10) == []
 
 
-async def test_a_caller_bound_request_for_a_holder_pid_that_is_not_running_names_that_pid(make_node: Callable[..., Any]) -> None:
+async def test_a_holder_pid_that_is_not_a_running_process_is_refused_naming_that_pid(make_node: Callable[..., Any]) -> None:
+    """With bind: none, a pid nobody ran was taken: the next process given that pid had its GPU memory counted as the
+    lease's, not as external. A thread's id was taken for a holder that had exited."""
     node = await make_node()
     gone = subprocess.Popen(["true"])
     gone.wait()
-    error = await node.refused(gpu_memory="1GiB", bind="caller", holder={"pid": gone.pid})
-    assert (error.code, error.details) == (FailureCode.INVALID_REQUEST, {"field": "holder.pid"})
-    assert error.message.startswith(f"holder.pid {gone.pid} is not a running process, and bind: caller ties the lease to it")
+    for bind in ("caller", "none"):
+        error = await node.refused(gpu_memory="1GiB", bind=bind, holder={"pid": gone.pid})
+        assert (error.code, error.details) == (FailureCode.INVALID_REQUEST, {"field": "holder.pid"})
+        assert error.message.startswith(f"holder.pid {gone.pid} is not a running process"), error.message
+    thread = threading.Thread(target=time.sleep, args=(2,))
+    thread.start()
+    try:
+        assert thread.native_id is not None
+        for bind in ("caller", "none"):
+            error = await node.refused(gpu_memory="1GiB", bind=bind, holder={"pid": thread.native_id})
+            assert error.message == f"holder.pid {thread.native_id} is a thread of process {os.getpid()}, not a process: give {os.getpid()}"
+    finally:
+        thread.join()
+    assert node.broker.list_leases(None, 10) == []
     error = await node.refused(gpu_memory="1GiB", bind="caller")  # no pid at all
     assert (error.code, error.details) == (FailureCode.INVALID_REQUEST, {"field": "bind"})
 

@@ -12,6 +12,7 @@ import re
 import socket as sockets
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -575,6 +576,8 @@ async def test_a_connection_that_never_finishes_its_request_is_answered_and_clos
         ({"cpu_cores": 1, "holder": {"name": "job\u202e"}}, "holder.name"),  # reverses the figures printed after it
         ({"cpu_cores": 1, "holder": {"name": "a\u2028b"}}, "holder.name"),
         ({"cpu_cores": 1, "labels": {"k": "hidden\u200b"}}, "labels"),
+        ({"cpu_cores": 1, "holder": {"name": "\u3164"}}, "holder.name"),  # a Hangul filler: a name that shows as nothing
+        ({"cpu_cores": 1, "labels": {"k": "a\U000e0001"}}, "labels"),  # a tag character
     ],
 )
 def test_a_name_or_label_with_a_control_character_is_refused_so_no_terminal_prints_one(
@@ -868,8 +871,11 @@ async def test_metrics_say_when_each_gpus_figures_were_read_and_whether_they_are
         await broker.close()
 
 
-async def test_the_over_declared_metric_counts_the_leases_using_too_much_on_each_gpu_now(tmp_path: Path) -> None:
+async def test_the_over_declared_metric_counts_the_leases_using_too_much_on_each_gpu_now(
+    tmp_path: Path, live_pid: Callable[[], int]
+) -> None:
     """A lease over its declaration on one GPU is not over it on its other GPU, nor once its use is back within it."""
+    pid = live_pid()  # the holder
     from gpubroker.broker.probes import GpuProcess
     from gpubroker.broker.request import parse_request
     from gpubroker.broker.service import Caller
@@ -886,12 +892,12 @@ async def test_the_over_declared_metric_counts_the_leases_using_too_much_on_each
         return {s.labels["uuid"]: s.value for f in families for s in f.samples if s.name == "gpubroker_leases_over_declared"}
 
     try:
-        body = {"gpu_memory": "4GiB", "gpus": 2, "holder": {"name": "greedy", "pid": 4243}}
+        body = {"gpu_memory": "4GiB", "gpus": 2, "holder": {"name": "greedy", "pid": pid}}
         await broker.request(parse_request(body), Caller("tcp"))
-        probe.processes = {0: [GpuProcess(4243, "python", 6 * GIB)], 1: [GpuProcess(4243, "python", 2 * GIB)]}
+        probe.processes = {0: [GpuProcess(pid, "python", 6 * GIB)], 1: [GpuProcess(pid, "python", 2 * GIB)]}
         broker.apply_sample(probe.sample(), None)
         assert over() == {"GPU-fake-0": 1.0, "GPU-fake-1": 0.0}
-        probe.processes = {0: [GpuProcess(4243, "python", 3 * GIB)], 1: [GpuProcess(4243, "python", 2 * GIB)]}
+        probe.processes = {0: [GpuProcess(pid, "python", 3 * GIB)], 1: [GpuProcess(pid, "python", 2 * GIB)]}
         broker.apply_sample(probe.sample(), None)
         assert over() == {"GPU-fake-0": 0.0, "GPU-fake-1": 0.0}
     finally:
