@@ -118,7 +118,9 @@ def lock_state(state_dir: Path) -> int:
                 "give --state a directory of your own"
             )
         _refuse_what_others_may_change_inside(state_dir)
-        fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        # The directory itself is locked: a lock file could be removed as stale, and a second broker started beside the
+        # first, both granting the same epochs.
+        fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as error:
         raise StartError(f"cannot use {state_dir} as the state directory: {error.strerror}; give --state another directory") from None
     try:

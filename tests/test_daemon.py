@@ -66,6 +66,20 @@ def test_under_umask_000_the_state_and_socket_directories_made_are_writable_by_t
         assert made.stat().st_mode & 0o005 == 0o005  # others still reach the socket, as before
 
 
+def test_a_second_broker_is_refused_whatever_is_removed_from_the_state_directory(tmp_path: Path) -> None:
+    """The lock was a file in it: removed as stale, a second broker started on the same store, granting the same epochs."""
+    state = tmp_path / "state"
+    first = daemon.lock_state(state)
+    try:
+        for made in state.iterdir():
+            made.unlink()
+        with pytest.raises(daemon.BrokerRunning, match=f"another broker is running on {state}"):
+            daemon.lock_state(state)
+    finally:
+        os.close(first)
+    os.close(daemon.lock_state(state))  # and once the first has stopped, a broker starts
+
+
 def test_a_state_directory_every_user_may_write_is_refused_with_what_to_do(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
