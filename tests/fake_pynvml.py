@@ -73,6 +73,7 @@ class FakeNvml:
         raw_structs: bool = False,
         after_process_list: Callable[[int], None] | None = None,
         root: bool = True,
+        unchecked_versions: bool = False,
     ) -> None:
         self.gpus = list(gpus or [])
         self.driver_missing = driver_missing  # nvmlInit raises NVMLError_LibraryNotFound
@@ -82,6 +83,8 @@ class FakeNvml:
         self.raw_structs = raw_structs
         self.after_process_list = after_process_list  # called with the GPU index after each list
         self.root = root  # whether the caller may read a GPU in MIG mode as a whole
+        # Bindings before 12.550 (no @throwOnVersionMismatch): a function the driver lacks is a bare FunctionNotFound.
+        self.unchecked_versions = unchecked_versions
         self.calls: list[str] = []
         self.init_calls = 0
         self.shutdown_calls = 0
@@ -188,6 +191,8 @@ class FakeNvml:
         try:
             return self._device(function, handle)
         except pynvml.NVMLError_FunctionNotFound:
+            if self.unchecked_versions:
+                raise
             raise pynvml.NVMLLibraryMismatchError(f"Unversioned function called: {function}") from None
 
     def _process_list(self, handle: FakeHandle, gpu: FakeGpu, listed: list[Listed]) -> list[Any]:

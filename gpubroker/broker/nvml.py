@@ -23,6 +23,7 @@ from gpubroker.broker.probes import GpuProcess, GpuReading, GpusUnreadable, Prob
 # memory (WDDM, some containers). Current bindings turn it into None, older ones pass it through.
 NOT_AVAILABLE = 2**64 - 1
 LIST_TRIES = 3  # a process list outgrown while it was read is asked for again, at most this many times in all
+PID_LIMIT = 2**31  # no pid reaches it (pid_t is a signed 32-bit int): one read as such was misread
 CLOSE_WAIT = 1.0  # seconds close() waits for a sample in flight
 _PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
 
@@ -125,7 +126,7 @@ class NvmlProbe:
             total=int(memory.total),
             used=int(memory.used),
             observed_at=now,
-            processes=self._processes(gpu, handle),
+            processes=self._processes(gpu, handle, int(memory.total)),
         )
 
     def _unreadable(self, index: int, gpu: int, handle: Any, error: ProbeError) -> UnreadableGpu:
@@ -140,9 +141,10 @@ class NvmlProbe:
                 uuid = _text(self._call("nvmlDeviceGetUUID", gpu, handle))
         return UnreadableGpu(index, uuid, str(error))
 
-    def _processes(self, index: int, handle: Any) -> tuple[GpuProcess, ...] | None:
+    def _processes(self, index: int, handle: Any, total: int) -> tuple[GpuProcess, ...] | None:
         nvml = self._nvml
-        unlistable = (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission, _mismatch(nvml))
+        # A driver older than the bindings' list function: _mismatch from 12.550 on, a bare FunctionNotFound before.
+        unlistable = (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission, nvml.NVMLError_FunctionNotFound, _mismatch(nvml))
         used: dict[int, int | None] = {}
         listed = False
         for function in _PROCESS_LISTS:
@@ -155,9 +157,14 @@ class NvmlProbe:
                 if isinstance(error.__cause__, unlistable):
                     continue
                 raise
+            read = [(int(entry.pid), _bytes(entry.usedGpuMemory)) for entry in entries]
+            # Bindings whose structure is not the driver's (nvidia-ml-py 12.535.77, or any with an early R535 driver)
+            # misread every entry after the first: pids such as 4294967295, or more bytes than the GPU has. Such a list
+            # is not attributed, as one the driver does not give, rather than its garbage counted as some process's.
+            if any(pid >= PID_LIMIT or (size is not None and size > total) for pid, size in read):
+                continue
             listed = True
-            for entry in entries:
-                pid, size = int(entry.pid), _bytes(entry.usedGpuMemory)
+            for pid, size in read:
                 # A process with compute and graphics contexts appears in both lists with
                 # the same memory, or one list lacks the figure: the larger is the truth.
                 if pid in used and (size is None or (used[pid] or 0) > size):

@@ -128,16 +128,30 @@ def test_a_compute_only_gpu_without_a_graphics_list_still_reports_its_compute_pr
 
 
 @pytest.mark.parametrize("both", [False, True], ids=["one-list", "both-lists"])
-def test_bindings_newer_than_the_driver_leave_processes_unlisted_not_the_gpu_unread(both: bool) -> None:
+@pytest.mark.parametrize("unchecked", [False, True], ids=["checked", "unchecked-12.535"])
+def test_bindings_newer_than_the_driver_leave_processes_unlisted_not_the_gpu_unread(both: bool, unchecked: bool) -> None:
+    """Bindings before 12.550 say so with a bare FunctionNotFound, which left the whole GPU unread: not brokered at all."""
     missing = {"nvmlDeviceGetComputeRunningProcesses": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
     if both:
         missing["nvmlDeviceGetGraphicsRunningProcesses"] = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
     gpu = FakeGpu(used=3 * GIB, compute=[(VANISHED_PID, GIB)], graphics=[(VANISHED_PID + 1, GIB)], errors=missing)
 
-    [reading] = probe(FakeNvml([gpu])).sample()
+    [reading] = probe(FakeNvml([gpu], unchecked_versions=unchecked)).sample()
 
     assert reading.used == 3 * GIB
     assert reading.processes == (None if both else (GpuProcess(VANISHED_PID + 1, "", GIB),))
+
+
+@pytest.mark.parametrize("misread", [(2**32 - 1, GIB), (VANISHED_PID + 2, 2**63)], ids=["no-such-pid", "more-than-the-gpu"])
+def test_a_process_list_misread_by_bindings_whose_structure_is_not_the_drivers_is_left_unattributed(misread: tuple[int, int]) -> None:
+    """nvidia-ml-py 12.535.77, or any bindings with an early R535 driver, read every entry after the first at the wrong
+    offset: pids such as 4294967295 and sizes beyond the GPU's, which were counted as some process's memory."""
+    gpu = FakeGpu(used=3 * GIB, compute=[(VANISHED_PID, GIB), misread], graphics=[(VANISHED_PID + 1, GIB)])
+
+    [reading] = probe(FakeNvml([gpu])).sample()
+
+    assert reading.used == 3 * GIB
+    assert reading.processes == (GpuProcess(VANISHED_PID + 1, "", GIB),)  # the list that reads true is still attributed
 
 
 def test_a_process_that_vanishes_between_calls_keeps_its_bytes_without_a_name() -> None:
