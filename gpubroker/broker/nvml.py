@@ -158,7 +158,8 @@ class NvmlProbe:
                     continue
                 raise
             read = [(int(entry.pid), _bytes(entry.usedGpuMemory)) for entry in entries]
-            # Bindings whose structure is not the driver's (nvidia-ml-py 12.535.77, or any with an early R535 driver)
+            # Bindings whose structure is not the driver's (nvidia-ml-py 12.535.77 with any later driver, later ones with
+            # the early R535 drivers, 535.43 and 535.54, whose structure 12.535.77 declares)
             # misread every entry after the first: pids such as 4294967295, or more bytes than the GPU has. Such a list
             # is not attributed, as one the driver does not give, rather than its garbage counted as some process's.
             if any(pid >= PID_LIMIT or (size is not None and size > total) for pid, size in read):
