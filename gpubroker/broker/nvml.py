@@ -88,7 +88,8 @@ class NvmlProbe:
         try:
             if self._initialised:
                 self._initialised = False
-                self._call("nvmlShutdown", None)
+                with contextlib.suppress(ProbeError):  # the broker is stopping: a driver that fails even this changes nothing
+                    self._call("nvmlShutdown", None)
         finally:
             self._lock.release()
 

@@ -303,6 +303,16 @@ def test_close_shuts_nvml_down_once_and_only_after_it_was_initialised() -> None:
     assert nvml.shutdown_calls == 1
 
 
+def test_a_shutdown_the_driver_fails_does_not_fail_the_brokers_stop() -> None:
+    """It raised out of the broker's stop, after the store was closed: a traceback where the broker said it stopped."""
+    nvml = FakeNvml([FakeGpu()])
+    gpus = probe(nvml)
+    gpus.sample()
+    nvml.errors["nvmlShutdown"] = pynvml.NVML_ERROR_UNKNOWN
+    gpus.close()
+    assert nvml.calls[-1] == "nvmlShutdown"
+
+
 def test_the_fake_returns_the_real_bindings_types() -> None:
     nvml = FakeNvml([FakeGpu(compute=[(VANISHED_PID, 1)])])
     with pytest.raises(pynvml.NVMLError_Uninitialized):
