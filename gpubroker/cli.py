@@ -356,7 +356,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
                 _print_json(lease)
             else:
                 gpus = ", ".join(f"GPU {g['index']} ({g['uuid']}) {gib(g['bytes'])} GiB" for g in lease["gpus"]) or "no GPU"
-                print(f"lease {lease['id']} granted: {gpus}; epoch {lease['epoch']}; expires {lease['expires_at']}")
+                print(f"lease {lease['id']} granted: {gpus}; lease epoch {lease['epoch']}; expires {lease['expires_at']}")
                 print(f"token {lease['token']}")
                 for key, value in sorted(lease["env"].items()):
                     print(f"export {key}={value}")
@@ -784,7 +784,8 @@ def cmd_leases(args: argparse.Namespace) -> int:
         print("no leases")
         return 0
     if len(leases) == args.limit:  # the API gives at most --limit: there may be more
-        print(f"gpubroker: the first {args.limit} leases are shown; there may be more: give --limit", file=sys.stderr)
+        shown = "lease is" if args.limit == 1 else "leases are"
+        print(f"gpubroker: the first {args.limit} {shown} shown; there may be more: give a larger --limit", file=sys.stderr)
     _print_leases(leases)
     return 0
 

@@ -1010,7 +1010,7 @@ class Broker:
             gpus.append(LeasedGpu(index, uuid, size, epoch))
             uuids.append(uuid)
             sizes.append(size)
-            where.append(f"GPU {index} {gib(size)} GiB epoch {epoch}")
+            where.append(f"GPU {index} {gib(size)} GiB (GPU epoch {epoch})")
         ttl = request.ttl or self.config.default_ttl
         token = new_token()  # the id was drawn when the request arrived
         holder = waiter.holder
