@@ -317,6 +317,7 @@ def test_work_that_leaves_cmds_session_is_stopped_by_the_broker_when_gpubroker_l
     assert holder.wait(5) == -signal.SIGKILL
 
 
+@pytest.mark.installed_only
 def test_the_groups_of_a_lease_taken_inside_cmd_are_left_to_it_and_not_registered_with_the_outer_lease(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
@@ -362,6 +363,7 @@ time.sleep(seconds)
 """
 
 
+@pytest.mark.installed_only
 def test_registering_many_process_groups_does_not_hold_up_the_renewals(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
@@ -418,6 +420,7 @@ while not os.path.exists(os.path.join(work, "go")):
 """
 
 
+@pytest.mark.installed_only
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root starts a process of another uid")
 def test_a_group_another_users_process_has_left_is_registered_at_the_next_look(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
@@ -542,6 +545,7 @@ def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease
     assert [e["type"] for e in later if e["type"] == "request.refused"] == []  # no DELETE of an ended lease was sent
 
 
+@pytest.mark.installed_only
 @pytest.mark.slow  # 15 s of waiting for renewals a TTL apart
 def test_renewals_that_resume_after_the_broker_restarts_say_so_and_keep_cmd_going(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
@@ -569,6 +573,7 @@ def test_renewals_that_resume_after_the_broker_restarts_say_so_and_keep_cmd_goin
     assert (granted_to(broker.client(), holder.pid) or {}).get("id") == lease["id"]
 
 
+@pytest.mark.installed_only
 def test_a_broker_that_no_longer_knows_the_lease_has_cmd_stopped_and_says_so(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
@@ -592,6 +597,7 @@ def test_a_broker_that_no_longer_knows_the_lease_has_cmd_stopped_and_says_so(
     ), said
 
 
+@pytest.mark.installed_only
 def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_end(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
@@ -623,6 +629,7 @@ def test_a_broker_that_stops_answering_does_not_hold_gpubroker_lease_past_cmds_e
     assert broker.client().call("GET", f"/v1/leases/{lease['id']}")["lease"]["reason"] == f"holder pid {holder.pid} exited"
 
 
+@pytest.mark.installed_only
 @pytest.mark.slow  # 5 s of looking for a broker that may be restarting
 def test_a_lease_whose_broker_is_down_when_cmd_ends_is_said_to_be_released_once_the_broker_is_back(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path
@@ -652,6 +659,7 @@ def test_a_lease_whose_broker_is_down_when_cmd_ends_is_said_to_be_released_once_
     assert (released["state"], released["reason"]) == ("released", f"holder pid {holder.pid} exited while the broker was down")
 
 
+@pytest.mark.installed_only
 @pytest.mark.parametrize("read", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["said", "unread"])
 def test_cmd_is_stopped_once_its_lease_has_certainly_run_out_with_the_broker_answering_no_renewal(
     gpubroker: list[str], broker_process: MakeBroker, spawn: Callable[..., subprocess.Popen[bytes]], tmp_path: Path, read: bool
