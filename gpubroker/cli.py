@@ -19,7 +19,7 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpubroker import __version__, work
 from gpubroker.broker.probes import ProbeError
@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
 FOREVER = 10 * 365 * 86400
+
+
+def _usage_error(message: str) -> NoReturn:
+    """Flags that ask for nothing meaningful: said on one line, exit 2, as argparse does for the flags it reads."""
+    print(f"gpubroker: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _print_json(value: Any) -> None:
@@ -196,9 +202,9 @@ def _request_body(args: argparse.Namespace, bind: str) -> dict[str, Any]:
         for item in args.label:
             key, sep, value = item.partition("=")
             if not sep or not key:
-                raise SystemExit(f"gpubroker: --label {item!r} is not K=V")
+                _usage_error(f"--label {item!r} is not K=V")
             if key in labels:  # the first or the last? Neither is kept without a word.
-                raise SystemExit(f"gpubroker: --label {key} is given twice ({key}={labels[key]}, {item}); give each key once")
+                _usage_error(f"--label {key} is given twice ({key}={labels[key]}, {item}); give each key once")
             labels[key] = value
         body["labels"] = labels
     return body
@@ -966,7 +972,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     client = Client()
     if args.action in ("remove", "approve"):
         if not args.id:
-            raise SystemExit(f"gpubroker: nodes {args.action} needs a node id")
+            _usage_error(f"nodes {args.action} needs a node id")
         if args.action == "remove":
             answer = client.call("DELETE", f"/v1/cluster/nodes/{args.id}")
         else:
@@ -995,7 +1001,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     elif args.action == "install":
         answer = client.call("POST", "/v1/cluster/keys", {"install": args.key})
     elif not args.key:
-        raise SystemExit(f"gpubroker: keys {args.action} needs a key id")
+        _usage_error(f"keys {args.action} needs a key id")
     else:
         answer = client.call("POST", "/v1/cluster/keys", {args.action: args.key})
     failed = {node: said for node, said in answer.get("members", {}).items() if said != "ok"}
