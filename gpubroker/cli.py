@@ -26,7 +26,7 @@ from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
 from gpubroker.gossip.documents import listed_missing
-from gpubroker.units import MAX_SECONDS, UnitError, gib, parse_duration, parse_time, printable_text
+from gpubroker.units import MAX_SECONDS, UnitError, gib, host_part, parse_duration, parse_time, printable_text
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -361,8 +361,9 @@ def cmd_lease(args: argparse.Namespace) -> int:
             if args.json:
                 _print_json(lease)
             else:
-                gpus = ", ".join(f"GPU {g['index']} ({g['uuid']}) {gib(g['bytes'])} GiB" for g in lease["gpus"]) or "no GPU"
-                print(f"lease {lease['id']} granted: {gpus}; lease epoch {lease['epoch']}; expires {lease['expires_at']}")
+                held = [f"GPU {g['index']} ({g['uuid']}) {gib(g['bytes'])} GiB" for g in lease["gpus"]]
+                held += host_part(lease.get("cpu_cores") or 0, lease.get("memory") or 0)
+                print(f"lease {lease['id']} granted: {', '.join(held)}; lease epoch {lease['epoch']}; expires {lease['expires_at']}")
                 print(f"token {lease['token']}")
                 for key, value in sorted(lease["env"].items()):
                     print(f"export {key}={value}")

@@ -176,3 +176,9 @@ def printable_text(text: str, keep: str = "") -> str:
 def _escape(char: str) -> str:
     code = ord(char)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def host_part(cpu_cores: int, memory: int) -> list[str]:
+    """What of the host a lease holds, as its grant is said beside its GPUs (`2 CPU cores`, `4.0 GiB memory`)."""
+    said = [f"{cpu_cores} CPU core{'s' if cpu_cores != 1 else ''}"] if cpu_cores else []
+    return said + ([f"{gib(memory)} GiB memory"] if memory else [])

@@ -95,6 +95,8 @@ def test_a_printed_lease_lives_by_its_ttl_and_is_listed_and_released_from_the_cl
     granted = cli("lease", "--gpu-memory", "10GiB", "--priority", "background", "--name", "train", "--json")
     assert granted.returncode == 0, granted.stderr
     assert '"bind": "none"' in granted.stdout
+    printed = cli("lease", "--cpu-cores", "1", "--memory", "1GiB")  # it said "granted: no GPU", not what it holds
+    assert re.match(r"lease l-\w+ granted: 1 CPU core, 1\.0 GiB memory; lease epoch 2; expires ", printed.stdout), printed
     listing = cli("leases")
     assert "background" in listing.stdout
     assert "train" in listing.stdout

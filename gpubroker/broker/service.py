@@ -31,7 +31,7 @@ from gpubroker.broker.request import LeaseRequest
 from gpubroker.broker.store import PRUNE_EVERY, Store, StoreDamaged, Write, key_seq, seq_key
 from gpubroker.config import CLASSES, Config
 from gpubroker.errors import BrokerError, FailureCode, Forbidden, InvalidRequest, NotFound, Refusal, StoreFull
-from gpubroker.units import gib, log_line, rfc3339
+from gpubroker.units import gib, host_part, log_line, rfc3339
 from gpubroker.work import said_stopped
 
 RANK = {name: rank for rank, name in enumerate(CLASSES)}
@@ -1042,7 +1042,7 @@ class Broker:
             Write("leases", lease.id.encode(), lease.to_record()),
             self._event(
                 "lease.granted",
-                f"lease {lease.id} granted to {holder.called} ({lease.priority}): {', '.join(where) or 'no GPU'}",
+                f"lease {lease.id} granted to {holder.called} ({lease.priority}): {', '.join(where + host_part(lease.cpu_cores, lease.memory)) or 'nothing'}",
                 lease=lease.id,
                 gpu=uuids[0] if uuids else None,
                 details={"gpus": uuids, "bytes": sizes, "epoch": lease.epoch, "waited": round(now - waiter.enqueued_at, 3)},

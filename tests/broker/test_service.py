@@ -134,6 +134,14 @@ async def test_a_request_beyond_schedulable_is_refused_naming_the_figures(make_n
     assert (await node.events("lease.refused"))[-1]["code"] == "INSUFFICIENT_SCHEDULABLE_VRAM"
 
 
+async def test_a_grant_says_the_cpu_cores_and_memory_it_holds_where_it_said_no_gpu(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    await node.ask(cpu_cores=1, memory="1GiB")
+    await node.ask(gpu_memory="2GiB", memory="2GiB")
+    said = [event["message"].partition("(interactive): ")[2] for event in await node.events("lease.granted")]
+    assert said == ["1 CPU core, 1.0 GiB memory", "GPU 0 2.0 GiB (GPU epoch 1), 2.0 GiB memory"]
+
+
 async def test_a_near_miss_says_by_how_much_when_the_figures_read_alike(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     node.probe.external(0, 6 * GIB - 10 * MIB)  # 17 GiB and 10 MiB schedulable: "17.0"
