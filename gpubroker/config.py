@@ -91,8 +91,13 @@ def _host_port(value: Any) -> str:
     (`http://[::1]:9740`), which a client refuses bare."""
     text = str(value)
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    # ASCII digits alone (str.isdigit takes ２ and ², printed back as given in a URL no client reads), and brackets
+    # around an IPv6 address only, closed.
+    bracketed = host.startswith("[") or host.endswith("]")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise ValueError(f"{text!r} is not HOST:PORT")
+    if bracketed and not (host.startswith("[") and host.endswith("]") and _is_ipv6(host[1:-1])):
+        raise ValueError(f"{text!r} is not HOST:PORT (an IPv6 address goes in brackets, with its port: [::1]:9740)")
     if ":" in host and not host.startswith("["):
         try:
             ipaddress.ip_address(host)
@@ -100,6 +105,13 @@ def _host_port(value: Any) -> str:
             raise ValueError(f"{text!r} is not HOST:PORT (an IPv6 address goes in brackets, with its port: [::1]:9740)") from None
         return f"[{host}]:{port}"
     return text
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def _bool(value: Any) -> bool:

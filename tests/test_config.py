@@ -149,6 +149,21 @@ def test_an_ipv6_address_without_a_port_is_refused_not_read_as_another_address(g
     assert str(refused.value) == f"setting listen: {given!r} is not HOST:PORT (an IPv6 address goes in brackets, with its port: [::1]:9740)"
 
 
+@pytest.mark.parametrize(
+    ("given", "hint"),
+    [
+        ("127.0.0.1:\uff12\uff14\uff10\uff11\uff11", ""),  # fullwidth digits: bound, then printed as a URL no client reads
+        ("127.0.0.1:\u00b2", ""),  # a superscript two: int() refused it in a Python message
+        ("[::1:24005", " (an IPv6 address goes in brackets, with its port: [::1]:9740)"),  # printed as http://[::1:24005
+        ("[127.0.0.1]:9740", " (an IPv6 address goes in brackets, with its port: [::1]:9740)"),
+    ],
+)
+def test_a_listen_address_with_a_port_in_other_digits_or_brackets_left_open_is_refused(given: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, listen=given)
+    assert str(refused.value) == f"setting listen: {given!r} is not HOST:PORT{hint}"
+
+
 def test_allowed_hosts_are_names_and_addresses_as_a_host_header_names_them(tmp_path: Path) -> None:
     path = tmp_path / "gpubroker.toml"
     path.write_text('allowed_hosts = ["tower.lan", "gpu-box_2", "10.0.0.5", "fe80::1"]\n')

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import mmap
 import os
 import queue
 import struct
@@ -74,6 +75,12 @@ class Loaded:
     last_event: int = 0
 
 
+def _endings_from(map_size: int) -> int:
+    """Of a store of `map_size` bytes, the pages (of the system's size) in use past which only endings are written."""
+    pages = map_size // mmap.PAGESIZE
+    return pages - min(max(int(pages * ENDINGS_RESERVE), ENDINGS_RESERVE_PAGES), pages // 4)
+
+
 def seq_key(seq: int) -> bytes:
     return _KEY.pack(seq)
 
@@ -105,9 +112,20 @@ class Store:
         # epochs begin again. It writes its header as it makes the file, so an empty one was cut short, never new.
         if data.exists() and data.stat().st_size == 0:
             raise StoreDamaged(self.damaged(f"{data} is empty: it was cut short"))
+        # A store that holds more than store_size leaves for leases (store_size was lowered) keeps its size, and room for
+        # ending its leases beyond it: opened at store_size, LMDB would take the file's size, with no room left at all.
+        held = data.stat().st_size if data.exists() else 0
+        room = max(held // 16, ENDINGS_RESERVE_PAGES * mmap.PAGESIZE)
+        opened = max(map_size, held + room) if held > _endings_from(map_size) * mmap.PAGESIZE else map_size
+        if opened > map_size:
+            log_line(
+                f"the state store holds {held / 2**20:.1f} MiB, more than store_size ({map_size / 2**20:.1f} MiB) leaves for "
+                f"leases: it keeps its size, with {room / 2**20:.1f} MiB more for releases and expiries, and new leases are "
+                "refused until it holds less; a larger store_size lets them in"
+            )
         # sync and metasync: every acknowledged commit survives kill -9 and power loss.
         try:
-            self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
+            self._env = lmdb.open(str(path / "store"), map_size=opened, max_dbs=8, sync=True, metasync=True)
         except _DAMAGE as error:
             raise StoreDamaged(self.damaged(str(error))) from None
         self._said: str | None = None  # why writes fail, from the first failure until none has for RECOVERED_AFTER
@@ -129,9 +147,8 @@ class Store:
             raise StoreDamaged(self.damaged(str(error))) from None
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._pack = msgpack.Packer().pack  # the writer thread's own: one packer for every value it writes
-        # Pages in use past which only endings are written (of the map LMDB opened: a file larger than store_size keeps its size).
-        pages = self._env.info()["map_size"] // self._env.stat()["psize"]
-        self._endings_from = pages - min(max(int(pages * ENDINGS_RESERVE), ENDINGS_RESERVE_PAGES), pages // 4)
+        # Pages in use past which only endings are written: of store_size, however large the store already is.
+        self._endings_from = _endings_from(map_size) * mmap.PAGESIZE // self._env.stat()["psize"]
         self._thread: threading.Thread | None = None
         self.commits = 0  # transactions written, for the benchmark and tests
 

@@ -205,6 +205,32 @@ async def test_an_old_event_that_cannot_be_read_stops_the_start_saying_the_store
         reopened.stop()
 
 
+async def test_a_store_larger_than_a_lowered_store_size_keeps_its_size_and_takes_every_release(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Started again with a store_size under what it held, LMDB took the file's size as the store's: no room was left
+    for anything, and no lease could be released."""
+    store = Store(tmp_path, 16 * 2**20)
+    store.start()
+    try:
+        for i in range(60):
+            await store.commit([Write("leases", f"l-{i:04d}".encode(), {"pad": "x" * 40_000})])
+    finally:
+        store.stop()
+    small = Store(tmp_path, 2**20)
+    small.start()
+    try:
+        with pytest.raises(StoreFull):  # what is not an end: the store holds more than store_size leaves for leases
+            await small.commit([Write("leases", b"l-new", {"pad": "x"})])
+        for i in range(60):  # a release: the lease leaves the live table, its record goes to the history, with its event
+            ended = [Write("ended", seq_key(i + 1), {"pad": "x" * 40_000}), Write("events", seq_key(i + 1), {"seq": i + 1})]
+            await small.commit([Write("leases", f"l-{i:04d}".encode()), *ended])
+    finally:
+        small.stop()
+    said = capsys.readouterr().err
+    assert "more than store_size (1.0 MiB) leaves for leases: it keeps its size" in said, said
+
+
 async def test_a_store_whose_write_failed_says_once_it_can_be_written_again_with_no_request_coming(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
