@@ -38,7 +38,7 @@ def default_socket() -> Path:
     if os.geteuid() == 0:
         return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
+    if runtime and os.path.isabs(runtime):  # a relative one is ignored, as the XDG specification says: it names no one place
         return Path(runtime) / "gpubroker" / "api.sock"
     return default_state_dir() / "api.sock"
 
@@ -198,7 +198,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "socket",
         None,
-        "Unix socket of the HTTP API (default: /run/gpubroker/api.sock as root, else $XDG_RUNTIME_DIR/gpubroker/api.sock, else in the state directory)",
+        "Unix socket of the HTTP API (default: /run/gpubroker/api.sock as root, else $XDG_RUNTIME_DIR/gpubroker/api.sock, else in the default state directory)",
         _path,
     ),
     Setting("name", None, "this node's name (default: the name it was admitted to its cluster with, else the hostname)", _node_name),

@@ -267,3 +267,5 @@ def test_roots_default_socket_is_the_systems_whatever_its_runtime_directory(monk
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     monkeypatch.setenv("XDG_STATE_HOME", "/home/ann/.local/state")
     assert default_socket() == Path("/home/ann/.local/state/gpubroker/api.sock")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "run")  # relative: a broker made ./run/gpubroker/api.sock, found from there alone
+    assert default_socket() == Path("/home/ann/.local/state/gpubroker/api.sock")
