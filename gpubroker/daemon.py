@@ -119,8 +119,18 @@ def lock_state(state_dir: Path) -> int:
             )
         _refuse_what_others_may_change_inside(state_dir)
         # The directory itself is locked: a lock file could be removed as stale, and a second broker started beside the
-        # first, both granting the same epochs.
+        # first, both granting the same epochs. Where directories cannot be locked (NFS locks only what is open for
+        # writing), a file in it is.
         fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+            raise BrokerRunning(f"another broker is running on {state_dir}") from None
+        except OSError:
+            os.close(fd)
+        fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as error:
         raise StartError(f"cannot use {state_dir} as the state directory: {error.strerror}; give --state another directory") from None
     try:
@@ -128,6 +138,9 @@ def lock_state(state_dir: Path) -> int:
     except BlockingIOError:
         os.close(fd)
         raise BrokerRunning(f"another broker is running on {state_dir}") from None
+    except OSError as error:
+        os.close(fd)
+        raise StartError(f"cannot lock the state directory {state_dir}: {error.strerror}; give --state another directory") from None
     return fd
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import ipaddress
 import json
 import os
@@ -80,13 +81,33 @@ def test_a_second_broker_is_refused_whatever_is_removed_from_the_state_directory
     os.close(daemon.lock_state(state))  # and once the first has stopped, a broker starts
 
 
+def test_a_state_directory_that_cannot_itself_be_locked_is_locked_by_a_file_in_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a directory cannot be locked (NFS locks only what is open for writing), the start ended in a traceback."""
+    real = fcntl.flock
+
+    def flock(fd: int, operation: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.ENOLCK, "No locks available")
+        real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    state = tmp_path / "state"
+    first = daemon.lock_state(state)
+    try:
+        assert (state / "lock").exists()
+        with pytest.raises(daemon.BrokerRunning, match=f"another broker is running on {state}"):
+            daemon.lock_state(state)
+    finally:
+        os.close(first)
+
+
 def test_a_state_directory_every_user_may_write_is_refused_with_what_to_do(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
     state.chmod(0o1777)  # even sticky: anyone could still add a cluster.json or an identity/ of their own
     with pytest.raises(daemon.StartError, match=rf"the state directory {state} is writable by every user \(mode 1777\).*chmod o-w"):
         daemon.lock_state(state)
-    assert not (state / "lock").exists()
+    assert list(state.iterdir()) == []  # refused before anything is made in it
 
 
 def test_a_socket_directory_every_user_may_write_is_refused_unless_sticky(tmp_path: Path) -> None:
@@ -185,7 +206,7 @@ def test_what_another_user_owns_inside_the_state_directory_is_refused_naming_it(
     os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
     with pytest.raises(daemon.StartError, match=rf"{theirs}, in the state directory {state}, belongs to user nobody, who could .*chown -R"):
         daemon.lock_state(state)
-    assert not (state / "lock").exists()
+    assert [path.name for path in state.iterdir()] == [inside.split("/")[0]]  # refused before anything is made in it
 
 
 @as_root

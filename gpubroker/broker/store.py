@@ -35,10 +35,10 @@ RECHECK_EVERY = 5.0  # seconds: how often a store whose last write failed, with 
 # small commits fit in pages LMDB frees while larger ones fail: under load they take turns, and saying each turn
 # (about 20 times for 500 grants) told an operator nothing but noise, and /healthz flipped with it.
 RECOVERED_AFTER = 5.0
-# Of store_size, the part only writes that end leases may fill (a sixteenth, and at least 64 pages or a quarter: records of more
-# than half a page need whole free runs of pages, which a small store's free pages may not hold): a full store still
-# takes every release and expiry, with its event. Measured on a 1 MiB store of leases with labels of 3 KiB, 171
-# releases in a row, until none was left, took 11 pages beyond those in use at the first refusal.
+# Of store_size, the part no new lease may fill (a sixteenth, and at least 64 pages or a quarter: records of more than
+# half a page need whole free runs of pages, which a small store's free pages may not hold): a store full for new leases
+# still takes every release, expiry and renewal, with its event. Measured on a 1 MiB store of leases with labels of
+# 3 KiB, 171 releases in a row, until none was left, took 11 pages beyond those in use at the first refusal.
 ENDINGS_RESERVE = 1 / 16
 ENDINGS_RESERVE_PAGES = 64
 
@@ -62,9 +62,9 @@ class _Batch:
     packed: list[bytes | None] = field(default_factory=list)  # the values as the writer packed them
 
     @property
-    def may_fill_reserve(self) -> bool:
-        """Whether it may fill the store's ENDINGS_RESERVE: it takes leases out of the live table, or writes nothing."""
-        return not self.writes or any(write.table == "leases" and write.value is None for write in self.writes)
+    def puts_leases(self) -> bool:
+        """Whether it writes a live lease: a new one, which the store's ENDINGS_RESERVE refuses, or one it holds."""
+        return any(write.table == "leases" and write.value is not None for write in self.writes)
 
 
 @dataclass(slots=True)
@@ -112,20 +112,9 @@ class Store:
         # epochs begin again. It writes its header as it makes the file, so an empty one was cut short, never new.
         if data.exists() and data.stat().st_size == 0:
             raise StoreDamaged(self.damaged(f"{data} is empty: it was cut short"))
-        # A store that holds more than store_size leaves for leases (store_size was lowered) keeps its size, and room for
-        # ending its leases beyond it: opened at store_size, LMDB would take the file's size, with no room left at all.
-        held = data.stat().st_size if data.exists() else 0
-        room = max(held // 16, ENDINGS_RESERVE_PAGES * mmap.PAGESIZE)
-        opened = max(map_size, held + room) if held > _endings_from(map_size) * mmap.PAGESIZE else map_size
-        if opened > map_size:
-            log_line(
-                f"the state store holds {held / 2**20:.1f} MiB, more than store_size ({map_size / 2**20:.1f} MiB) leaves for "
-                f"leases: it keeps its size, with {room / 2**20:.1f} MiB more for releases and expiries, and new leases are "
-                "refused until it holds less; a larger store_size lets them in"
-            )
         # sync and metasync: every acknowledged commit survives kill -9 and power loss.
         try:
-            self._env = lmdb.open(str(path / "store"), map_size=opened, max_dbs=8, sync=True, metasync=True)
+            self._env = lmdb.open(str(path / "store"), map_size=map_size, max_dbs=8, sync=True, metasync=True)
         except _DAMAGE as error:
             raise StoreDamaged(self.damaged(str(error))) from None
         self._said: str | None = None  # why writes fail, from the first failure until none has for RECOVERED_AFTER
@@ -142,15 +131,34 @@ class Store:
         try:
             self._check_length()
             self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
+            # Pages in use past which no new lease is written: of store_size, however large the store already is.
+            psize = self._env.stat()["psize"]
+            self._endings_from = _endings_from(map_size) * mmap.PAGESIZE // psize
+            self._keep_room_beyond(map_size, psize)
         except (StoreDamaged, *_DAMAGE) as error:
             self._env.close()
             raise StoreDamaged(self.damaged(str(error))) from None
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._pack = msgpack.Packer().pack  # the writer thread's own: one packer for every value it writes
-        # Pages in use past which only endings are written: of store_size, however large the store already is.
-        self._endings_from = _endings_from(map_size) * mmap.PAGESIZE // self._env.stat()["psize"]
         self._thread: threading.Thread | None = None
         self.commits = 0  # transactions written, for the benchmark and tests
+
+    def _keep_room_beyond(self, map_size: int, psize: int) -> None:
+        """A store that already holds more than store_size leaves for leases (store_size was lowered) keeps room beyond
+        its file for everything but new leases: LMDB takes the file's size for the map, which leaves none at all, and no
+        lease could be released."""
+        with self._env.begin() as txn:
+            used = self._pages_in_use(txn)
+        if used < self._endings_from:
+            return
+        end = (self._env.info()["last_pgno"] + 1) * psize
+        room = max(used * psize // 16, ENDINGS_RESERVE_PAGES * psize) // psize * psize
+        self._env.set_mapsize(max(map_size, end + room))
+        log_line(
+            f"the state store holds {used * psize / 2**20:.1f} MiB, more than store_size ({map_size / 2**20:.1f} MiB) leaves "
+            f"for leases: new leases are refused until it holds less (a larger store_size lets them in), and it keeps "
+            f"{room / 2**20:.1f} MiB more for releases, renewals and expiries"
+        )
 
     def damaged(self, problem: str) -> str:
         """What to say of a store that cannot be read, and what to do."""
@@ -294,11 +302,10 @@ class Store:
                     if batch.future is None:  # an event nobody waits on: it is lost, and says so
                         log_line(f"an event could not be kept: {problem}")
                 batches = [batch for batch in batches if batch not in unpackable]
-            if batches and self._endings_only():
-                refused = [batch for batch in batches if not batch.may_fill_reserve]
-                if refused:
-                    self._resolve(refused, self._failing(self._full_error(endings_fit=True)))
-                    batches = [batch for batch in batches if batch.may_fill_reserve]
+            refused = self._new_leases_refused(batches)
+            if refused:
+                self._resolve(refused, self._failing(self._full_error(endings_fit=True)))
+                batches = [batch for batch in batches if batch not in refused]
             error = self._write(batches) if batches else None
             self._resolve(batches, error)
             if stopping:
@@ -354,23 +361,36 @@ class Store:
         return StoreFull(
             f"the state store is full ({size / 2**20:.1f} MiB); nothing was changed. Restart the broker with a larger "
             "store_size (its history, events_kept and leases_kept, fills it too)"
-            + ("; releases and expiries are still kept meanwhile" if endings_fit else ""),
+            + ("; releases, renewals and expiries are still kept meanwhile" if endings_fit else ""),
             {"store_size": size},
         )
 
-    def _endings_only(self) -> bool:
-        """Whether the pages in use have reached ENDINGS_RESERVE, so that only batches ending leases are written. LMDB's
-        file only grows (its last page is a high-water mark), so the pages in use are counted only once that is past.
-        False when they cannot be counted: the write then says what fails."""
+    def _new_leases_refused(self, batches: list[_Batch]) -> list[_Batch]:
+        """The batches that write a lease the store does not hold yet, once the pages in use have reached
+        ENDINGS_RESERVE: refused, where everything else (a renewal, a release, an event) is written. LMDB's file only
+        grows (its last page is a high-water mark), so the pages in use are counted only once that is past. None when
+        they cannot be counted: the write then says what fails."""
+        putting = [batch for batch in batches if batch.puts_leases]
+        if not putting:
+            return []
         try:
             if self._env.info()["last_pgno"] < self._endings_from:
-                return False
+                return []
             with self._env.begin() as txn:
-                stats = [self._env.stat(), *(txn.stat(db) for db in self._db.values())]
+                if self._pages_in_use(txn) < self._endings_from:
+                    return []
+                leases = self._db["leases"]
+                return [
+                    batch
+                    for batch in putting
+                    if any(w.table == "leases" and w.value is not None and txn.get(w.key, db=leases) is None for w in batch.writes)
+                ]
         except Exception:
-            return False
-        used = 2 + sum(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"] for stat in stats)  # 2: the meta pages
-        return used >= self._endings_from
+            return []
+
+    def _pages_in_use(self, txn: lmdb.Transaction) -> int:
+        stats = [self._env.stat(), *(txn.stat(db) for db in self._db.values())]
+        return 2 + sum(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"] for stat in stats)  # 2: the meta pages
 
     def _disk_full(self) -> bool:
         """Whether the state directory's disk has no room left to speak of (under a MiB this user may use)."""

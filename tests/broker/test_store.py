@@ -228,7 +228,7 @@ async def test_a_store_larger_than_a_lowered_store_size_keeps_its_size_and_takes
     finally:
         small.stop()
     said = capsys.readouterr().err
-    assert "more than store_size (1.0 MiB) leaves for leases: it keeps its size" in said, said
+    assert "more than store_size (1.0 MiB) leaves for leases: new leases are refused until it holds less" in said, said
 
 
 async def test_a_store_whose_write_failed_says_once_it_can_be_written_again_with_no_request_coming(
