@@ -83,18 +83,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_json({"node": node, "cluster": cluster})
         return 0
     info = node["node"]
+    shown = printable_text  # a name from outside (a process's, a simulation file's) with a line feed would forge a line
     print(
-        f"node {info['name']} ({info['id']}), gpubroker {info['version']}"
+        f"node {shown(info['name'])} ({info['id']}), gpubroker {info['version']}"
         + ("" if info["production_eligible"] else ", not production eligible")
     )
     if node.get("driver_error"):
-        print(f"GPUs: cannot be read: {node['driver_error']}")
+        print(f"GPUs: cannot be read: {shown(node['driver_error'])}")
     lines: list[tuple[int, list[str]]] = []  # each GPU's lines, in the node's order of GPUs
     for gpu in node["gpus"]:
         f = gpu["figures"]
         pressure = "  EXTERNAL PRESSURE" if gpu.get("pressure") else ""
         stale = f"  STALE (read {gpu['age']:.1f}s ago: no decision is made on it)" if gpu.get("stale") else ""
-        mine = [f"GPU {gpu['index']}  {gpu['name']}  {gpu['uuid']}{pressure}{stale}"]
+        mine = [f"GPU {gpu['index']}  {shown(gpu['name'])}  {shown(gpu['uuid'])}{pressure}{stale}"]
         mine.append(
             "  "
             + "  ".join(
@@ -104,16 +105,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         for process in gpu["processes"]:
             owner = f"lease {process['lease']}" if process["lease"] else "external"
-            mine.append(f"  pid {process['pid']} {process['name'] or '?'}: {gib(process['bytes'])} GiB ({owner})")
+            mine.append(f"  pid {process['pid']} {shown(process['name'] or '?')}: {gib(process['bytes'])} GiB ({owner})")
         lines.append((gpu["index"], mine))
     for gpu in node.get("unreadable_gpus", []):
-        mine = [f"GPU {gpu['index']}  {gpu['uuid'] or 'UUID unknown'}  UNREADABLE: {gpu['error']}"]
+        mine = [f"GPU {gpu['index']}  {shown(gpu['uuid'] or 'UUID unknown')}  UNREADABLE: {shown(gpu['error'])}"]
         leases = f"; leases {', '.join(gpu['leases'])} stay on it" if gpu["leases"] else ""
         mine.append(f"  not offered until it can be read again{leases}")
         lines.append((gpu["index"], mine))
     for gpu in node.get("missing_gpus", []):
-        name = f"  {gpu['name']}" if gpu["name"] else ""
-        mine = [f"GPU {gpu['index']}{name}  {gpu['uuid']}  MISSING since {gpu['since']}: no longer listed by the driver"]
+        name = f"  {shown(gpu['name'])}" if gpu["name"] else ""
+        mine = [f"GPU {gpu['index']}{name}  {shown(gpu['uuid'])}  MISSING since {gpu['since']}: no longer listed by the driver"]
         mine.append(
             f"  leases {', '.join(gpu['leases'])} hold {gib(gpu['bytes'])} GiB on it "
             "and stay until released or expired; nothing is granted on it"

@@ -379,17 +379,17 @@ def test_the_cli_never_prints_a_control_character_it_was_given(broker_process: t
     """A name can reach the CLI from outside a request's checks (a process's own name, an older node's document):
     printed, its ESC or CR must not act on the operator's terminal."""
     sim = tmp_path / "gpus.toml"
-    sim.write_text(SIMULATION.format(used="6GiB").replace('name = "ollama"', 'name = "evil\\u001b[2J\\rforged"'))
+    sim.write_text(SIMULATION.format(used="6GiB").replace('name = "ollama"', 'name = "evil\\u001b[2J\\rforged\\nline"'))
     broker = broker_process(str(sim)).start()
     status = subprocess.run([sys.executable, "-m", "gpubroker", "status"], env=broker.env, capture_output=True, text=True, timeout=30)
     assert status.returncode == 0, status.stderr
-    assert "evil\\x1b[2J\\x0dforged" in status.stdout
+    assert "evil\\x1b[2J\\x0dforged\\x0aline: 6.0 GiB (external)" in status.stdout  # a line feed forged a line too
     assert "\x1b" not in status.stdout
     assert "\r" not in status.stdout
     as_json = subprocess.run(
         [sys.executable, "-m", "gpubroker", "status", "--json"], env=broker.env, capture_output=True, text=True, timeout=30
     )
-    assert json.loads(as_json.stdout)["node"]["gpus"][0]["processes"][0]["name"] == "evil\x1b[2J\rforged"  # JSON escapes it itself
+    assert json.loads(as_json.stdout)["node"]["gpus"][0]["processes"][0]["name"] == "evil\x1b[2J\rforged\nline"  # JSON escapes it itself
 
 
 def test_leases_keeps_its_columns_aligned_on_a_terminal_with_wide_and_combining_characters_in_holder_names(

@@ -24,7 +24,7 @@ import psutil
 
 from gpubroker.broker.holders import start_time
 from gpubroker.config import toml_document
-from gpubroker.units import UnitError, gib, parse_size, printable_text
+from gpubroker.units import CONTROL, UnitError, gib, parse_size, printable_text
 
 
 class ProbeError(Exception):
@@ -219,7 +219,7 @@ def _string(table: dict[str, Any], key: str, default: str, where: str) -> str:
     value = table.get(key, default)
     if not isinstance(value, str):
         raise ProbeError(f"{where}: {key} {value!r} is not a string (quote it)")
-    return printable_text(value)  # as a real process's name is read: a line feed in it would forge a line of `status`
+    return value
 
 
 def _size(table: dict[str, Any], key: str, where: str) -> int:
@@ -232,7 +232,7 @@ def _size(table: dict[str, Any], key: str, where: str) -> int:
 def _sim_gpu(table: dict[str, Any], where: str, index: int) -> _SimGpu:
     _fields(table, "gpu", _GPU_KEYS, ("memory",), where)
     uuid = _string(table, "uuid", f"GPU-sim-{index}", where)
-    if not _UUID.fullmatch(uuid) or uuid != table.get("uuid", uuid):  # a control character in it, escaped by _string
+    if not _UUID.fullmatch(uuid) or CONTROL.search(uuid):  # an ESC would go into the CUDA_VISIBLE_DEVICES printed to be evaluated
         raise ProbeError(f"{where}: uuid {uuid!r} is not a UUID: give it without spaces or commas, as GPU-sim-{index}")
     memory = _size(table, "memory", where)
     if memory <= 0:
