@@ -39,8 +39,8 @@ RECOVERED_AFTER = 5.0
 # half a page need whole free runs of pages, which a small store's free pages may not hold): a store full for new leases
 # still takes every release, expiry and renewal, with its event. Measured on a 1 MiB store of leases with labels of
 # 3 KiB, 171 releases in a row, until none was left, took 11 pages beyond those in use at the first refusal.
-ENDINGS_RESERVE = 1 / 16
-ENDINGS_RESERVE_PAGES = 64
+KEPT_BACK = 1 / 16
+KEPT_BACK_PAGES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class _Batch:
 
     @property
     def puts_leases(self) -> bool:
-        """Whether it writes a live lease: a new one, which the store's ENDINGS_RESERVE refuses, or one it holds."""
+        """Whether it writes a live lease: a new one, which the store's KEPT_BACK refuses, or one it holds."""
         return any(write.table == "leases" and write.value is not None for write in self.writes)
 
 
@@ -75,10 +75,10 @@ class Loaded:
     last_event: int = 0
 
 
-def _endings_from(map_size: int) -> int:
-    """Of a store of `map_size` bytes, the pages (of the system's size) in use past which only endings are written."""
+def _new_leases_until(map_size: int) -> int:
+    """Of a store of `map_size` bytes, the pages (of the system's size) in use past which no new lease is written."""
     pages = map_size // mmap.PAGESIZE
-    return pages - min(max(int(pages * ENDINGS_RESERVE), ENDINGS_RESERVE_PAGES), pages // 4)
+    return pages - min(max(int(pages * KEPT_BACK), KEPT_BACK_PAGES), pages // 4)
 
 
 def seq_key(seq: int) -> bytes:
@@ -133,7 +133,7 @@ class Store:
             self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
             # Pages in use past which no new lease is written: of store_size, however large the store already is.
             psize = self._env.stat()["psize"]
-            self._endings_from = _endings_from(map_size) * mmap.PAGESIZE // psize
+            self._new_leases_until = _new_leases_until(map_size) * mmap.PAGESIZE // psize
             self._keep_room_beyond(map_size, psize)
         except (StoreDamaged, *_DAMAGE) as error:
             self._env.close()
@@ -149,10 +149,10 @@ class Store:
         lease could be released."""
         with self._env.begin() as txn:
             used = self._pages_in_use(txn)
-        if used < self._endings_from:
+        if used < self._new_leases_until:
             return
         end = (self._env.info()["last_pgno"] + 1) * psize
-        room = max(used * psize // 16, ENDINGS_RESERVE_PAGES * psize) // psize * psize
+        room = max(used * psize // 16, KEPT_BACK_PAGES * psize) // psize * psize
         self._env.set_mapsize(max(map_size, end + room))
         log_line(
             f"the state store holds {used * psize / 2**20:.1f} MiB, more than store_size ({map_size / 2**20:.1f} MiB) leaves "
@@ -304,7 +304,7 @@ class Store:
                 batches = [batch for batch in batches if batch not in unpackable]
             refused = self._new_leases_refused(batches)
             if refused:
-                self._resolve(refused, self._failing(self._full_error(endings_fit=True)))
+                self._resolve(refused, self._failing(self._full_error(others_fit=True)))
                 batches = [batch for batch in batches if batch not in refused]
             error = self._write(batches) if batches else None
             self._resolve(batches, error)
@@ -341,7 +341,7 @@ class Store:
                 self._written()
             return None
         except lmdb.MapFullError:
-            return self._failing(self._full_error(endings_fit=False))
+            return self._failing(self._full_error(others_fit=False))
         except Exception as error:  # a disk fault: the writes did not happen, the callers hear so,
             # and the writer lives on for the next batch.
             self._disk_failed = True
@@ -354,30 +354,30 @@ class Store:
                 StoreFull(f"the state store could not be written: {problem}; nothing was changed", {"state_dir": str(self._path)})
             )
 
-    def _full_error(self, endings_fit: bool) -> StoreFull:
-        """`endings_fit`: refused as the pages in use reached ENDINGS_RESERVE, where releases and expiries still fit."""
+    def _full_error(self, others_fit: bool) -> StoreFull:
+        """`others_fit`: a new lease refused as the pages in use reached KEPT_BACK, where all else is still written."""
         self._disk_failed = False
         size = self._env.info()["map_size"]
         return StoreFull(
             f"the state store is full ({size / 2**20:.1f} MiB); nothing was changed. Restart the broker with a larger "
             "store_size (its history, events_kept and leases_kept, fills it too)"
-            + ("; releases, renewals and expiries are still kept meanwhile" if endings_fit else ""),
+            + ("; releases, renewals and expiries are still kept meanwhile" if others_fit else ""),
             {"store_size": size},
         )
 
     def _new_leases_refused(self, batches: list[_Batch]) -> list[_Batch]:
         """The batches that write a lease the store does not hold yet, once the pages in use have reached
-        ENDINGS_RESERVE: refused, where everything else (a renewal, a release, an event) is written. LMDB's file only
+        KEPT_BACK: refused, where everything else (a renewal, a release, an event) is written. LMDB's file only
         grows (its last page is a high-water mark), so the pages in use are counted only once that is past. None when
         they cannot be counted: the write then says what fails."""
         putting = [batch for batch in batches if batch.puts_leases]
         if not putting:
             return []
         try:
-            if self._env.info()["last_pgno"] < self._endings_from:
+            if self._env.info()["last_pgno"] < self._new_leases_until:
                 return []
             with self._env.begin() as txn:
-                if self._pages_in_use(txn) < self._endings_from:
+                if self._pages_in_use(txn) < self._new_leases_until:
                     return []
                 leases = self._db["leases"]
                 return [
