@@ -538,6 +538,15 @@ def config_warnings(config: Config, broker: Broker) -> list[str]:
                 pwd.getpwnam(stamp.user)
             except KeyError:
                 warnings.append(f"[[stamp]] user {stamp.user!r} is no user of this machine: that stamp never applies")
+        if stamp.priority == "production" and not config.production_eligible:
+            whose = " with ".join(
+                ([f"user {stamp.user!r}"] if stamp.user is not None else [])
+                + ([f"holder {stamp.holder!r}"] if stamp.holder is not None else [])
+            )
+            warnings.append(
+                f"[[stamp]] makes the requests of {whose} production, and production_eligible is false: every one of them "
+                "is refused CAPABILITY_UNAVAILABLE"
+            )
     history = 2 * (config.leases_kept * 1024 + config.events_kept * 512)  # what the kept history takes, about, and room to rewrite it
     if config.store_size < history:
         warnings.append(

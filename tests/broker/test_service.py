@@ -931,6 +931,17 @@ async def test_a_restart_with_a_larger_reserve_or_without_production_says_what_b
     assert node.broker.get(lease["id"])["state"] == "granted"
 
 
+async def test_a_stamp_that_makes_requests_production_where_none_is_served_is_warned_of(make_node: Callable[..., Any]) -> None:
+    """Every request it stamped was refused CAPABILITY_UNAVAILABLE, and nothing at start said why."""
+    node = await make_node(production_eligible=False, stamps=(Stamp("production", holder="train-*"), Stamp("background", user="root")))
+    assert config_warnings(node.config, node.broker) == [
+        "[[stamp]] makes the requests of holder 'train-*' production, and production_eligible is false: every one of them "
+        "is refused CAPABILITY_UNAVAILABLE"
+    ]
+    refused = await node.refused(cpu_cores=1, holder={"name": "train-7"})
+    assert refused.code is FailureCode.CAPABILITY_UNAVAILABLE
+
+
 async def test_a_stored_record_that_is_no_lease_stops_the_start_saying_the_store_is_damaged(make_node: Callable[..., Any]) -> None:
     node = await make_node()
     lease, _ = await node.ask(gpu_memory="1GiB")
