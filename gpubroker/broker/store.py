@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import mmap
 import os
 import queue
 import struct
@@ -62,9 +61,9 @@ class _Batch:
     packed: list[bytes | None] = field(default_factory=list)  # the values as the writer packed them
 
     @property
-    def puts_leases(self) -> bool:
-        """Whether it writes a live lease: a new one, which the store's KEPT_BACK refuses, or one it holds."""
-        return any(write.table == "leases" and write.value is not None for write in self.writes)
+    def lease_keys(self) -> list[bytes]:
+        """The live leases it writes: a new one, which the store's KEPT_BACK refuses, or one it holds."""
+        return [write.key for write in self.writes if write.table == "leases" and write.value is not None]
 
 
 @dataclass(slots=True)
@@ -73,12 +72,6 @@ class Loaded:
     ended: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     last_event: int = 0
-
-
-def _new_leases_until(map_size: int) -> int:
-    """Of a store of `map_size` bytes, the pages (of the system's size) in use past which no new lease is written."""
-    pages = map_size // mmap.PAGESIZE
-    return pages - min(max(int(pages * KEPT_BACK), KEPT_BACK_PAGES), pages // 4)
 
 
 def seq_key(seq: int) -> bytes:
@@ -133,7 +126,8 @@ class Store:
             self._db = {name: self._env.open_db(name.encode()) for name in self.TABLES}
             # Pages in use past which no new lease is written: of store_size, however large the store already is.
             psize = self._env.stat()["psize"]
-            self._new_leases_until = _new_leases_until(map_size) * mmap.PAGESIZE // psize
+            pages = map_size // psize
+            self._new_leases_until = pages - min(max(int(pages * KEPT_BACK), KEPT_BACK_PAGES), pages // 4)
             self._keep_room_beyond(map_size, psize)
         except (StoreDamaged, *_DAMAGE) as error:
             self._env.close()
@@ -152,7 +146,7 @@ class Store:
         if used < self._new_leases_until:
             return
         end = (self._env.info()["last_pgno"] + 1) * psize
-        room = max(used * psize // 16, KEPT_BACK_PAGES * psize) // psize * psize
+        room = max(int(used * KEPT_BACK), KEPT_BACK_PAGES) * psize
         self._env.set_mapsize(max(map_size, end + room))
         log_line(
             f"the state store holds {used * psize / 2**20:.1f} MiB, more than store_size ({map_size / 2**20:.1f} MiB) leaves "
@@ -370,7 +364,7 @@ class Store:
         KEPT_BACK: refused, where everything else (a renewal, a release, an event) is written. LMDB's file only
         grows (its last page is a high-water mark), so the pages in use are counted only once that is past. None when
         they cannot be counted: the write then says what fails."""
-        putting = [batch for batch in batches if batch.puts_leases]
+        putting = [batch for batch in batches if batch.lease_keys]
         if not putting:
             return []
         try:
@@ -380,11 +374,7 @@ class Store:
                 if self._pages_in_use(txn) < self._new_leases_until:
                     return []
                 leases = self._db["leases"]
-                return [
-                    batch
-                    for batch in putting
-                    if any(w.table == "leases" and w.value is not None and txn.get(w.key, db=leases) is None for w in batch.writes)
-                ]
+                return [batch for batch in putting if any(txn.get(key, db=leases) is None for key in batch.lease_keys)]
         except Exception:
             return []
 
