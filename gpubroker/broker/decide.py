@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,10 +71,31 @@ def _figures(budget: Budget) -> dict[str, Any]:
     }
 
 
-def _host_refusal(request: LeaseRequest, host: HostBudget) -> Refusal | None:
+CPU_CORES = "CPU cores"
+HOST_MEMORY = "host memory"
+# What a waiting request may hold back from the requests behind it: an accelerator by its index, the host's CPU
+# cores or memory by these names.
+Claim = int | str
+
+
+def host_claims(request: LeaseRequest, host: HostBudget, claimed: Collection[Claim] = ()) -> set[str]:
+    """The host's resources a waiting request holds back from the requests behind it: CPU cores or host memory where
+    it asks for more than is schedulable, or where a request ahead of it holds them back already. Where it has enough
+    of them (it waits for a GPU), those behind it may take them: no core sits idle for a request that waits for a GPU."""
+    return {
+        what
+        for what, need, free in (
+            (CPU_CORES, request.cpu_cores, host.cores - host.leased_cores),
+            (HOST_MEMORY, request.memory, host.memory - host.leased_memory),
+        )
+        if need and (need > free or what in claimed)
+    }
+
+
+def _host_refusal(request: LeaseRequest, host: HostBudget, blocked: Mapping[Claim, Sequence[str]]) -> Refusal | None:
     for what, need, total, leased in (
-        ("CPU cores", request.cpu_cores, host.cores, host.leased_cores),
-        ("host memory", request.memory, host.memory, host.leased_memory),
+        (CPU_CORES, request.cpu_cores, host.cores, host.leased_cores),
+        (HOST_MEMORY, request.memory, host.memory, host.leased_memory),
     ):
         if not need:
             continue
@@ -86,13 +107,17 @@ def _host_refusal(request: LeaseRequest, host: HostBudget) -> Refusal | None:
             return Refusal(
                 FailureCode.CAPABILITY_UNAVAILABLE, f"{what}: this node has {show(total)} in all; needs {show(need)}{short}", details
             )
-        if need > total - leased:
-            short = short_by(need, total - leased) if in_bytes else ""
+        figures = f"{what}: {show(total)} in all, {show(leased)} leased → {show(max(0, total - leased))} schedulable"
+        if what in blocked:  # held back for a request of a higher class, or an earlier one of its own, as a GPU is
+            ahead = blocked[what]
             return Refusal(
                 FailureCode.LEASE_CONFLICT,
-                f"{what}: {show(total)} in all, {show(leased)} leased → {show(max(0, total - leased))} schedulable; needs {show(need)}{short}",
-                details,
+                f"{figures}; claimed by requests waiting ahead{_ahead(ahead)}; needs {show(need)}",
+                {**details, "waiting_ahead": {what: list(ahead)}},
             )
+        if need > total - leased:
+            short = short_by(need, total - leased) if in_bytes else ""
+            return Refusal(FailureCode.LEASE_CONFLICT, f"{figures}; needs {show(need)}{short}", details)
     return None
 
 
@@ -103,14 +128,15 @@ def place(
     *,
     now: float,
     staleness: float,
-    blocked: Mapping[int, Sequence[str]] | None = None,
+    blocked: Mapping[Claim, Sequence[str]] | None = None,
     driver_error: str | None = None,
     unreadable: Sequence[UnreadableGpu] = (),
 ) -> Placement | Refusal:
-    """Where the request fits now; `blocked` accelerators are claimed by requests waiting ahead of it (each with those
-    requests, as a refusal names them, first ahead first); `unreadable`
+    """Where the request fits now; `blocked` accelerators (and the host's CPU cores or memory) are claimed by requests
+    waiting ahead of it (each with those requests, as a refusal names them, first ahead first); `unreadable`
     ones are listed by the driver but cannot be read, so nothing is placed on them."""
-    refusal = _host_refusal(request, host)
+    blocked = blocked or {}
+    refusal = _host_refusal(request, host, blocked)
     if refusal is not None:
         return refusal
     if not request.wants_gpus:
@@ -181,7 +207,6 @@ def place(
             f"{ages}; decisions need a reading under {staleness:.1f}s old",
             {"staleness": staleness, "ages": {b.reading.uuid: round(now - b.reading.observed_at, 3) for b in stale}},
         )
-    blocked = blocked or {}
     open_ = [b for b in fresh if b.reading.index not in blocked]
     fitting = [(b, room) for b in open_ if (room := _room(request, b)) is not None]
     if len(fitting) >= request.gpus:
@@ -206,7 +231,7 @@ def _explain(budget: Budget) -> str:
 
 
 def _ahead(requests: Sequence[str]) -> str:
-    """The requests that claim a GPU, as a refusal names them: the first few, first ahead first."""
+    """The requests that claim a GPU (or the host's cores or memory), as a refusal names them: the first few, first ahead first."""
     if not requests:
         return ""
     more = f" and {len(requests) - 3} more" if len(requests) > 3 else ""
@@ -219,7 +244,7 @@ def _unreadable_refusal(what: str, unread: Sequence[UnreadableGpu]) -> Refusal:
     return Refusal(FailureCode.DRIVER_ERROR, f"{what}; {why}", {"driver_error": why, "unreadable": [u.to_json() for u in unread]})
 
 
-def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[int, Sequence[str]]) -> Refusal:
+def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[Claim, Sequence[str]]) -> Refusal:
     need = request.gpu_memory
     best = max(fresh, key=lambda b: (b.figures.schedulable, -b.reading.index))
     # With several GPUs asked for, what decides is the room of the last one it would need, not of the best.

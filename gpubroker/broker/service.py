@@ -17,14 +17,14 @@ import struct
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from gpubroker import __version__
 from gpubroker.broker import holders
 from gpubroker.broker.budget import Budget, GpuLeases, compute_budget, compute_budgets, leases_by_gpu, over_declared
-from gpubroker.broker.decide import HostBudget, Placement, could_use, place
+from gpubroker.broker.decide import CPU_CORES, HOST_MEMORY, Claim, HostBudget, Placement, could_use, host_claims, place
 from gpubroker.broker.lease import ENDED, LIVE, Holder, Lease, LeasedGpu, hash_token, new_lease_id, new_token, unknown_fields
 from gpubroker.broker.probes import GpuProbe, GpuReading, GpusUnreadable, HostReading, ProbeError, UnreadableGpu, sample_host
 from gpubroker.broker.request import LeaseRequest
@@ -926,7 +926,7 @@ class Broker:
             )
         return await self._wait(waiter, decision)
 
-    def _place(self, request: LeaseRequest, blocked: dict[int, list[str]], budgets: list[Budget] | None = None) -> Placement | Refusal:
+    def _place(self, request: LeaseRequest, blocked: dict[Claim, list[str]], budgets: list[Budget] | None = None) -> Placement | Refusal:
         return place(
             request,
             self.budgets() if budgets is None else budgets,
@@ -938,25 +938,36 @@ class Broker:
             unreadable=self.unreadable,
         )
 
-    def _claimed_ahead(self, waiter: Waiter) -> dict[int, list[str]]:
-        """Accelerators claimed by requests waiting ahead of this one (higher class, or earlier in its own), each with
-        those requests, first ahead first."""
-        blocked: dict[int, list[str]] = {}
+    def _claimed_ahead(self, waiter: Waiter) -> dict[Claim, list[str]]:
+        """Accelerators (and the host's cores or memory) claimed by requests waiting ahead of this one (higher class, or
+        earlier in its own), each with those requests, first ahead first."""
+        blocked: dict[Claim, list[str]] = {}
         if not self.waiters:
             return blocked
         for other, claimed in self._claims_ahead(waiter, self.budgets()):
-            for index in claimed:
-                blocked.setdefault(index, []).append(_named(other))
+            for what in claimed:
+                blocked.setdefault(what, []).append(_named(other))
         return blocked
 
-    def _claims_ahead(self, waiter: Waiter, budgets: list[Budget]) -> list[tuple[Waiter, set[int]]]:
-        """The requests waiting ahead of this one that claim accelerators, each with the ones it claims: not one that
-        wants no GPU, one refused for the driver (it claims none), nor one granted and being made durable."""
-        return [
-            (other, {b.reading.index for b in could_use(other.request, budgets)})
-            for other in self.waiters
-            if other.order < waiter.order and other.lease is None and other.claims and other.request.wants_gpus
-        ]
+    def _claims_ahead(self, waiter: Waiter, budgets: list[Budget]) -> list[tuple[Waiter, set[Claim]]]:
+        """The requests waiting ahead of this one that claim something, each with what it claims: not one refused for
+        the driver (it claims none), nor one granted and being made durable."""
+        host = self.host_budget()
+        claims: list[tuple[Waiter, set[Claim]]] = []
+        claimed: set[Claim] = set()  # by the requests ahead so far
+        for other in self.waiters:
+            if other.order < waiter.order and other.lease is None and other.claims:
+                if theirs := self._claims(other.request, budgets, host, claimed):
+                    claims.append((other, theirs))
+                    claimed |= theirs
+        return claims
+
+    @staticmethod
+    def _claims(request: LeaseRequest, budgets: list[Budget], host: HostBudget, claimed: Collection[Claim]) -> set[Claim]:
+        """What a waiting request holds back from those behind it: every GPU it could use, and the host's cores or memory
+        where it asks for more than is schedulable or a request ahead of it (`claimed`) holds them back already."""
+        gpus: set[Claim] = {b.reading.index for b in could_use(request, budgets)} if request.wants_gpus else set()
+        return gpus | host_claims(request, host, claimed)
 
     def _hopeless(self, request: LeaseRequest) -> bool:
         """Whether the request cannot fit by its deadline even if every lease that may end by then does."""
@@ -1194,7 +1205,7 @@ class Broker:
 
     def _scan(self) -> None:
         """Grant waiters in claim order; one that cannot be granted claims every accelerator it could use."""
-        blocked: dict[int, list[str]] = {}
+        blocked: dict[Claim, list[str]] = {}
         for waiter in list(self.waiters):
             if waiter.lease is not None:
                 continue
@@ -1207,9 +1218,9 @@ class Broker:
                     waiter.granted.set_exception(self._refused(waiter.request, refusal, waited=waiter.id))
                     continue
                 waiter.reason, waiter.claims = decision.message, decision.code is not FailureCode.DRIVER_ERROR
-                if waiter.request.wants_gpus and waiter.claims:
-                    for b in could_use(waiter.request, self.budgets()):
-                        blocked.setdefault(b.reading.index, []).append(_named(waiter))
+                if waiter.claims:
+                    for what in self._claims(waiter.request, self.budgets(), self.host_budget(), blocked):
+                        blocked.setdefault(what, []).append(_named(waiter))
                 continue
             self.waiters.remove(waiter)
             try:
@@ -1536,9 +1547,10 @@ class Broker:
 
     def waiter_json(self, waiter: Waiter) -> dict[str, Any]:
         budgets = self.budgets()
-        mine = {b.reading.index for b in could_use(waiter.request, budgets)} if waiter.request.wants_gpus else set()
-        behind = [other.id for other, claimed in self._claims_ahead(waiter, budgets) if mine & claimed]
         r = waiter.request
+        mine: set[Claim] = {b.reading.index for b in could_use(r, budgets)} if r.wants_gpus else set()
+        mine |= {what for what, need in ((CPU_CORES, r.cpu_cores), (HOST_MEMORY, r.memory)) if need}
+        behind = [other.id for other, claimed in self._claims_ahead(waiter, budgets) if mine & claimed]
         return {
             "id": waiter.id,
             "state": "queued",

@@ -420,6 +420,61 @@ async def test_a_waiter_blocks_its_own_class_and_lower_but_not_a_higher_one(make
     await asyncio.gather(waiter, return_exceptions=True)
 
 
+async def test_a_request_waiting_for_cpu_cores_is_not_passed_by_a_lower_class_that_fits(make_node: Callable[..., Any]) -> None:
+    """Claim order holds for the host's cores as for a GPU: a background request for the one free core would keep a
+    production request for two waiting for as long as small requests came."""
+    node = await make_node()
+    cores = node.broker.host.cores
+    held, token = await node.ask(cpu_cores=cores - 1)
+    big = asyncio.create_task(node.ask(cpu_cores=2, priority="production", wait="1m"))
+    await settle()
+    (waiter,) = node.broker.waiters
+    error = await node.refused(cpu_cores=1, priority="background")
+    assert error.code is FailureCode.LEASE_CONFLICT
+    assert error.message == (
+        f"CPU cores: {cores} in all, {cores - 1} leased → 1 schedulable; claimed by requests waiting ahead "
+        f"({waiter.id} production); needs 1"
+    )
+    assert error.details["waiting_ahead"] == {"CPU cores": [f"{waiter.id} production"]}
+    small = asyncio.create_task(node.ask(cpu_cores=1, priority="background", wait="1m"))
+    await settle()
+    queued = {lease["priority"]: lease for lease in node.broker.list_leases("queued", 10)}
+    assert queued["background"]["waiting_behind"] == [waiter.id]
+    await node.broker.release(held["id"], TCP, token)
+    lease, _ = await asyncio.wait_for(big, 5)
+    assert lease["cpu_cores"] == 2
+    assert not small.done()  # the one core left is not enough for both: the production request had it first
+    small.cancel()
+    await asyncio.gather(small, return_exceptions=True)
+
+
+async def test_a_request_waiting_for_a_gpu_holds_back_no_core_it_has_room_for(make_node: Callable[..., Any]) -> None:
+    """Waiting for a GPU, a request that has the cores and memory it asks for leaves them to the requests behind it."""
+    node = await make_node()
+    await node.ask(gpu_memory="20GiB")
+    big = asyncio.create_task(node.ask(gpu_memory="15GiB", cpu_cores=1, memory="1GiB", priority="production", wait="1m"))
+    await settle()
+    lease, _ = await node.ask(cpu_cores=1, memory="1GiB", priority="background")
+    assert lease["state"] == "granted"
+    big.cancel()
+    await asyncio.gather(big, return_exceptions=True)
+
+
+async def test_host_memory_is_claimed_in_class_order_too(make_node: Callable[..., Any]) -> None:
+    node = await make_node()
+    total = node.broker.host.memory
+    held, token = await node.ask(memory=total - GIB)
+    big = asyncio.create_task(node.ask(memory="2GiB", priority="interactive", wait="1m"))
+    await settle()
+    error = await node.refused(memory="512MiB", priority="interactive")  # an earlier one of its own class waits for it
+    assert error.code is FailureCode.LEASE_CONFLICT
+    assert "claimed by requests waiting ahead" in error.message
+    lease, _ = await node.ask(memory="512MiB", priority="production")  # a higher class is not held back by it
+    assert lease["state"] == "granted"
+    big.cancel()
+    await asyncio.gather(big, return_exceptions=True)
+
+
 async def test_a_waiting_request_holds_back_no_gpu_too_small_ever_to_hold_it(make_node: Callable[..., Any]) -> None:
     """A production request for 10 GiB waits for the 24 GiB GPU alone: the 8 GiB one can lease at most 7 GiB, so a
     background request is granted there, now or once room is made, and waits behind nothing."""
