@@ -246,9 +246,13 @@ def _unreadable_refusal(what: str, unread: Sequence[UnreadableGpu]) -> Refusal:
 
 def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[Claim, Sequence[str]]) -> Refusal:
     need = request.gpu_memory
-    best = max(fresh, key=lambda b: (b.figures.schedulable, -b.reading.index))
+    # The figures that decide are those of the GPUs that could hold it once room is made: a card too small for it even
+    # when empty is no reason, however much room it has. They are named first, with the most room first.
+    able = [b for b in fresh if _large_enough(request, b)] or fresh
+    ranked = sorted(fresh, key=lambda b: (b not in able, -b.figures.schedulable, b.reading.index))
+    best = ranked[0]
     # With several GPUs asked for, what decides is the room of the last one it would need, not of the best.
-    nth = sorted(fresh, key=lambda b: (-b.figures.schedulable, b.reading.index))[min(request.gpus, len(fresh)) - 1]
+    nth = ranked[min(request.gpus, len(able)) - 1]
     if request.exclusive:
         needs = "needs the whole GPU" if request.gpus == 1 else f"needs {request.gpus} whole GPUs"
         if need:  # the whole GPU, as long as it has that much: the figure that decided it is named
@@ -266,7 +270,7 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[Claim, 
         details["waiting_ahead"] = {b.reading.uuid: list(blocked[b.reading.index]) for b in waiting}
         claimed = [f"{b.explain()}; claimed by requests waiting ahead{_ahead(blocked[b.reading.index])}" for b in waiting]
         # The other GPUs are named too, with the room that keeps them out: "claimed" alone does not say why not those.
-        others = [_explain(b) for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in waiting]
+        others = [_explain(b) for b in ranked if b not in waiting]
         message = "; ".join([*claimed, *others[: max(0, 4 - len(claimed))]])
         return Refusal(FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM, f"{message}; {needs}", details)
     # Held is what decides only on a GPU large enough for the request: on a smaller one it would not fit if free.
@@ -280,11 +284,11 @@ def _refuse(request: LeaseRequest, fresh: list[Budget], blocked: Mapping[Claim, 
             for b in held
         ]
         # The other GPUs with their figures: why those would not do either.
-        others = [_explain(b) for b in sorted(fresh, key=lambda b: -b.figures.schedulable) if b not in held]
+        others = [_explain(b) for b in ranked if b not in held]
         message = "; ".join([*owners, *others[: max(0, 4 - len(owners))]])
         return Refusal(FailureCode.LEASE_CONFLICT, f"{message}; {needs}", details)
-    pressed = [b for b in fresh if b.pressure]
-    code = FailureCode.EXTERNAL_GPU_PRESSURE if len(pressed) == len(fresh) else FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
-    shown = sorted(fresh, key=lambda b: -b.figures.schedulable)[:4]
+    pressed = [b for b in able if b.pressure]
+    code = FailureCode.EXTERNAL_GPU_PRESSURE if len(pressed) == len(able) else FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    shown = ranked[:4]
     message = "; ".join(_explain(b) for b in shown)
     return Refusal(code, f"{message}; {needs}", details)

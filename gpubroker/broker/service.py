@@ -316,14 +316,18 @@ class Broker:
         restop = [x for _, x in self.ended.values() if x.pgids and x.ended_at is not None and now - x.ended_at < window]
         if self._rebooted:  # their groups ended with the machine; the ids may be others' now
             restop = []
+        # Ended here with the start's own writes, and freed before they are on disk: nothing waits yet for their room.
         for lease in list(self.leases.values()):
             if lease.expires_at <= now:
-                writes += self._end(lease, "expired", "not renewed before its expiry (while the broker was down)")
+                writes += self._end_writes(lease, "expired", "not renewed before its expiry (while the broker was down)")
+                self._free(lease)
             elif lease.bind == "caller" and lease.holder.pid is not None:
                 if self._rebooted:
-                    writes += self._end(lease, "released", f"holder pid {lease.holder.pid} is gone: the machine restarted since")
+                    writes += self._end_writes(lease, "released", f"holder pid {lease.holder.pid} is gone: the machine restarted since")
+                    self._free(lease)
                 elif not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
-                    writes += self._end(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
+                    writes += self._end_writes(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
+                    self._free(lease)
         for lease in restop:
             self._spawn(self._stop_work(lease))
         for request_id, queued_at in cut_short:
@@ -1091,7 +1095,7 @@ class Broker:
             # the writer behind the grant (first in, first out): on disk they land together, or the grant first.
             # (Awaiting the commit itself, not a shield around it, saves the answer a turn of the loop.)
             if lease.live:
-                self.store.submit(self._end(lease, "released", "the requester disconnected before the grant was answered"))
+                self._spawn(self._commit_quietly(self._end(lease, "released", "the requester disconnected before the grant was answered")))
             raise
         except BrokerError:
             self._rollback(lease)
@@ -1168,7 +1172,7 @@ class Broker:
             await waiter.granted
         if waiter.lease is not None and waiter.lease.live:
             with contextlib.suppress(BrokerError):
-                await self.store.commit(self._end(waiter.lease, "released", "the requester disconnected before the grant was answered"))
+                await self._end(waiter.lease, "released", "the requester disconnected before the grant was answered")
 
     def _drop_waiter(self, waiter: Waiter) -> bool:
         """Whether it was still waiting: it waits no more, and those behind it are looked at again."""
@@ -1408,7 +1412,7 @@ class Broker:
         # refuses (STORE_FULL) leaves the lease as it was, and nothing was granted in its room meanwhile.
         # What follows the disk's answer runs even when the caller goes away while it syncs.
         was = (lease.state, lease.ended_at, lease.reason)
-        writes = self._record_end(lease, "released", f"released by {who}") + self._trim_history()
+        writes = self._end_writes(lease, "released", f"released by {who}")
         await self.store.commit(writes, on_settled=lambda error: self._released(lease, was, writes, error))
         self._budgets_soon()
         return lease
@@ -1432,8 +1436,7 @@ class Broker:
     def _holder_exited(self, lease_id: str) -> None:
         lease = self.leases.get(lease_id)
         if lease is not None and lease.live:  # not one whose release is on its way to disk
-            writes = self._end(lease, "released", f"holder pid {lease.holder.pid} exited")
-            self._spawn(self._commit_quietly(self.store.commit(writes)))  # handed over now: events in seq order
+            self._spawn(self._commit_quietly(self._end(lease, "released", f"holder pid {lease.holder.pid} exited")))
 
     async def _commit_quietly(self, commit: asyncio.Future[None]) -> None:
         with contextlib.suppress(BrokerError):
@@ -1441,23 +1444,29 @@ class Broker:
 
     def sweep(self) -> None:
         """Expire every lease whose TTL has run out (on the elapsed clock)."""
-        writes: list[Write] = []
         elapsed = self.clock.elapsed()
         for lease in [x for x in self.leases.values() if (x.deadline or 0.0) <= elapsed and x.live]:
-            writes += self._end(lease, "expired", f"not renewed before its expiry {rfc3339(lease.expires_at)}")
-        if writes:
-            self._spawn(self._commit_quietly(self.store.commit(writes)))  # handed over now: events in seq order
+            self._spawn(self._commit_quietly(self._end(lease, "expired", f"not renewed before its expiry {rfc3339(lease.expires_at)}")))
 
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
             self.sweep()
 
-    def _end(self, lease: Lease, state: str, reason: str) -> list[Write]:
-        """End a live lease in memory (its room is free at once) and return what makes that durable."""
-        writes = self._record_end(lease, state, reason) + self._trim_history()
+    def _end(self, lease: Lease, state: str, reason: str) -> asyncio.Future[None]:
+        """End a live lease, hand that to the writer, and only then free its room (done once the end is on disk).
+
+        A request waiting for the room is granted as it is freed: its grant reaches the writer after the end that made
+        room for it, never before. Otherwise a follower of events could be shown the grant and pass over the end for
+        good, and a crash between the two commits would bring the ended lease back beside the grant made in its room.
+        """
+        commit = self.store.commit(self._end_writes(lease, state, reason))
         self._free(lease)
-        return writes
+        return commit
+
+    def _end_writes(self, lease: Lease, state: str, reason: str) -> list[Write]:
+        """What makes a lease's end durable: its record, its event, and the history trimmed to leases_kept."""
+        return self._record_end(lease, state, reason) + self._trim_history()
 
     def _record_end(self, lease: Lease, state: str, reason: str) -> list[Write]:
         """Mark a lease ended, with its event and its place in the history; its room stays held until `_free`."""

@@ -342,9 +342,13 @@ async def test_events_reach_the_writer_in_the_order_of_their_seqs_so_a_follower_
     await node.broker.release(held["id"], TCP, token)  # the waiter is granted on the way...
     node.broker.record_event("mesh.keys", "an event from the mesh at that moment")  # ...and another event comes at once
     await asyncio.wait_for(waiting, 5)
+    behind = asyncio.create_task(node.ask(gpu_memory="15GiB", wait="1m"))  # waits for the room of the lease just granted
+    await settle()
     node.clock.advance(10)
-    node.broker.sweep()  # an expiry, and again another event at once
+    await node.sample()  # readings as fresh as the clock, so that the request behind can be granted
+    node.broker.sweep()  # an expiry that grants the request behind it, and again another event at once
     node.broker.record_event("mesh.keys", "and another")
+    await asyncio.wait_for(behind, 5)
     await node.events()
     assert handed == sorted(handed), handed
 
@@ -494,6 +498,24 @@ async def test_a_waiting_request_holds_back_no_gpu_too_small_ever_to_hold_it(mak
     assert [gpu["index"] for gpu in lease["gpus"]] == [1]
     big.cancel()
     await asyncio.gather(big, return_exceptions=True)
+
+
+async def test_a_refusal_is_told_by_the_gpu_that_could_hold_the_request_not_by_a_smaller_one_with_more_room(
+    make_node: Callable[..., Any],
+) -> None:
+    """The 8 GiB card has more room than the 24 GiB one, but could never hold 10 GiB: the refusal, its figures and its
+    event are the 24 GiB card's."""
+    node = await make_node([24 * GIB, 8 * GIB])
+    await node.ask(gpu_memory="20GiB", gpu=0)
+    error = await node.refused(gpu_memory="10GiB")
+    assert error.code is FailureCode.INSUFFICIENT_SCHEDULABLE_VRAM
+    assert error.message == (
+        "GPU 0 (RTX 4090, 24.0 GiB): 0.0 external, 20.0 leased, 1.0 reserve → 3.0 schedulable; "
+        "GPU 1 (RTX 4090, 8.0 GiB): 0.0 external, 0.0 leased, 1.0 reserve → 7.0 schedulable; needs 10.0"
+    )
+    assert (error.details["gpu"], error.details["figures"]["schedulable"]) == ("GPU-fake-0", 3 * GIB)
+    (event,) = [e for e in await node.events() if e["type"] == "lease.refused"]
+    assert event["gpu"] == "GPU-fake-0"
 
 
 async def test_a_refusal_for_a_gpu_claimed_ahead_names_the_request_that_claims_it_and_the_other_gpus_figures(
