@@ -829,11 +829,25 @@ class Broker:
         started = time.perf_counter()
         try:
             lease, token = await self._request(request, caller, while_syncing)
+            if not lease.live:  # released by its id, or its holder gone, while its grant was on its way to disk
+                raise self._ended_unanswered(lease)
         except BrokerError as error:
             self.stats.record(error.code.value, time.perf_counter() - started)
             raise
         self.stats.record("GRANTED", time.perf_counter() - started)
         return lease, token
+
+    @staticmethod
+    def _ended_unanswered(lease: Lease) -> Refusal:
+        """What the requester of a lease that ended before its grant was answered is told: not granted, as a request
+        cancelled while it waited is told (the lease's end has its event already)."""
+        ended = Refusal(
+            FailureCode.LEASE_TIMEOUT,
+            f"request {lease.id} was granted and then {lease.state} before its grant could be answered: {lease.reason}",
+            {"lease": lease.id, "cancelled": True, "state": lease.state},
+        )
+        ended.recorded = True
+        return ended
 
     async def _request(
         self, request: LeaseRequest, caller: Caller, while_syncing: Callable[[Lease, str], None] | None = None
@@ -1052,7 +1066,6 @@ class Broker:
             ttl=ttl,
         )
         self._hold(lease)
-        waiter.lease = lease
         writes = [
             Write("leases", lease.id.encode(), lease.to_record()),
             self._event(
@@ -1068,6 +1081,7 @@ class Broker:
             if not self._watch.watch(lease.id, holder.pid, holder.start_time, self._holder_exited):
                 self._unhold(lease)
                 raise InvalidRequest(f"holder pid {holder.pid} exited before its lease could be granted", {"field": "holder"})
+        waiter.lease = lease  # granted in memory: a requester that goes away from now on has it released
         return lease, token, writes
 
     async def _grant_now(
@@ -1242,6 +1256,7 @@ class Broker:
             await commit
         except BrokerError as error:
             self._rollback(lease)
+            waiter.lease = None  # never granted: a requester that goes away now has nothing to release
             if not waiter.granted.done():
                 waiter.granted.set_exception(self._refused(waiter.request, error, waited=waiter.id))
             return

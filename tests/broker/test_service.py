@@ -2442,3 +2442,73 @@ async def test_work_that_ends_on_sigterm_is_said_to_have_been_stopped_by_it(make
         if work.poll() is None:
             work.kill()
         work.wait()
+
+
+async def test_a_grant_undone_as_its_holder_exits_leaves_nothing_behind_when_its_client_goes_away_then(
+    make_node: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiting request's holder exits as the request is granted (its pidfd not read yet): the grant is undone. Should
+    its client go away in the same instant, no release of a lease that never was is written, and its room is not given
+    back twice."""
+    node = await make_node()
+    held, token = await node.ask(gpu_memory="20GiB")
+    me = Caller("unix", uid=os.getuid(), pid=os.getpid(), start_time=holders.start_time(os.getpid()))
+    waiting = asyncio.create_task(node.ask(me, gpu_memory="15GiB", cpu_cores=1, wait="1m", bind="caller"))
+    await settle()
+    (waiter,) = node.broker.waiters
+    assert node.broker._watch is not None
+
+    def exited_and_gone(*args: Any) -> bool:
+        waiting.cancel()  # its client goes away as the grant is made...
+        return False  # ...and its holder has exited
+
+    monkeypatch.setattr(node.broker._watch, "watch", exited_and_gone)
+    await node.broker.release(held["id"], TCP, token)
+    await asyncio.gather(waiting, return_exceptions=True)
+    await settle()
+    assert waiter.id not in node.broker.ended
+    assert waiter.id not in [event.get("lease") for event in await node.events() if event["type"] == "lease.released"]
+    assert node.gpu()["figures"]["leased"] == 0
+    assert node.broker.host_budget().leased_cores == 0
+
+
+async def test_a_request_released_by_its_id_between_its_grant_and_the_answer_is_not_answered_as_granted(
+    make_node: Callable[..., Any],
+) -> None:
+    """Its user deletes a waiting request just as it is granted: the grant is on its way to disk, so the delete releases
+    it. Its requester was answered 201 with the lease released (or said granted), and `gpubroker lease -- CMD` started
+    CMD on it, in room already given back."""
+    node = await make_node()
+    held, token = await node.ask(gpu_memory="20GiB")
+    waiting = asyncio.create_task(node.ask(gpu_memory="15GiB", wait="1m"))
+    await settle()
+    (waiter,) = node.broker.waiters
+    commit, handed, released = node.broker.store.commit, asyncio.Event(), asyncio.Event()
+
+    async def held_grant(synced: asyncio.Future[None]) -> None:
+        handed.set()
+        await released.wait()  # the grant goes on only once the delete is made, however fast the disk
+        await synced
+
+    def commit_holding_the_grant(writes: list[Write], *args: Any, **kwargs: Any) -> Any:
+        synced = commit(writes, *args, **kwargs)
+        if not any(w.table == "events" and w.value["type"] == "lease.granted" for w in writes):
+            return synced
+        node.broker.store.commit = commit  # type: ignore[method-assign]
+        return held_grant(synced)
+
+    node.broker.store.commit = commit_holding_the_grant  # type: ignore[method-assign]
+    await node.broker.release(held["id"], TCP, token)
+    await asyncio.wait_for(handed.wait(), 10)
+    gone = await node.broker.release(waiter.id, Caller("unix", uid=0, pid=None), None)  # root: granted now, so released
+    assert gone.state == "released"
+    released.set()
+    with pytest.raises(BrokerError) as told:
+        await waiting
+    assert told.value.code is FailureCode.LEASE_TIMEOUT
+    assert told.value.details == {"lease": waiter.id, "cancelled": True, "state": "released"}
+    assert told.value.message == (
+        f"request {waiter.id} was granted and then released before its grant could be answered: released by uid 0"
+    )
+    await node.restart()
+    assert node.broker.get(waiter.id)["state"] == "released"
