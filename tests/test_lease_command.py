@@ -540,7 +540,10 @@ def test_when_someone_else_releases_the_lease_cmd_is_stopped_and_gpubroker_lease
 
     assert holder.wait(30) == 3  # CMD got SIGTERM from the broker, and its exit code is passed on
     said = lease_log(tmp_path)
-    assert f"gpubroker: lease {lease['id']} was released before CMD ended: released by uid {os.getuid()}" in said, said
+    assert (
+        f"gpubroker: lease {lease['id']} was released before CMD ended: released by user {pwd.getpwuid(os.getuid()).pw_name} (uid {os.getuid()})"
+        in said
+    ), said
     later = client.call("GET", "/v1/events", query={"after": events_before, "limit": 1000})["events"]
     assert [e["type"] for e in later if e["type"] == "request.refused"] == []  # no DELETE of an ended lease was sent
 

@@ -92,6 +92,12 @@ def socket_admin(uid: int | None) -> bool:
     return uid is not None and uid in (0, os.geteuid())
 
 
+def _user_called(uid: int) -> str:
+    """A Unix user as reasons and events name it: `user alice (uid 1000)`, or `uid 1234` for one with no passwd entry."""
+    name = _user_name(uid)
+    return f"uid {uid}" if name == str(uid) else f"user {name} (uid {uid})"
+
+
 def _user_name(uid: int) -> str:
     """The Unix user's name, or the uid itself for one with no passwd entry."""
     try:
@@ -1402,7 +1408,7 @@ class Broker:
     async def release(self, lease_id: str, caller: Caller, token: str | None) -> Lease:
         """Release a granted lease, or cancel a waiting request."""
         waiter = self.find_waiter(lease_id)
-        who = caller.admin_name or (f"uid {caller.uid}" if caller.uid is not None else "its token")
+        who = caller.admin_name or (_user_called(caller.uid) if caller.uid is not None else "its token")
         if waiter is not None:
             self.authorize(waiter, caller, token)
             self._drop_waiter(waiter)
