@@ -26,7 +26,7 @@ from gpubroker.broker.probes import ProbeError
 from gpubroker.client import Client, ClientError
 from gpubroker.config import CLASSES, ConfigError, load_config
 from gpubroker.gossip.documents import listed_missing
-from gpubroker.units import MAX_SECONDS, UnitError, gib, host_part, parse_duration, parse_time, printable_text
+from gpubroker.units import MAX_SECONDS, UnitError, duration_text, gib, host_part, parse_duration, parse_time, printable_text
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -219,6 +219,7 @@ def _child_env(lease_env: dict[str, str]) -> dict[str, str]:
         env.pop("LD_LIBRARY_PATH", None)
         if original is not None:
             env["LD_LIBRARY_PATH"] = original
+    env.pop("GPUBROKER_GPU_MEMORY", None)  # an outer lease's, or one inherited: set again only for a lease of GPU memory
     env.update(lease_env)
     return env
 
@@ -644,7 +645,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     def hold(stopped: bool) -> None:
         nonlocal runs_out
         with contextlib.suppress(ClientError):
-            held = STOPPED_TTL if stopped else f"{ttl:g}s"
+            held = STOPPED_TTL if stopped else duration_text(ttl)
             client.call("POST", f"/v1/leases/{lease['id']}/renew", {"ttl": held}, headers=token, timeout=patience)
             runs_out = time.monotonic() + parse_duration(held)
 

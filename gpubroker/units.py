@@ -91,6 +91,11 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
+def duration_text(seconds: float) -> str:
+    """Seconds as a duration that parse_duration reads back as the same: written out in full (`{:g}` writes 1e+06)."""
+    return f"{Decimal(repr(float(seconds))):f}s"
+
+
 @functools.lru_cache(maxsize=256)  # as for sizes: a few texts ("10m") come again and again
 def _duration_text(text: str) -> float:
     match = _NUMBER_WITH_UNIT.match(text)

@@ -756,3 +756,12 @@ async def test_events_follow_onto_a_broker_on_another_store_prints_its_events_fr
     assert cli._another_store("", {"events": [], "next": 2}, 3) == (
         "the broker's newest event is 2, below the 3 printed: it keeps its events in another store"
     )
+
+
+def test_cmd_under_a_lease_of_no_gpu_memory_is_not_given_an_inherited_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpubroker lease --gpu-memory 2GiB -- gpubroker lease --cpu-cores 1 -- CMD`: the inner CMD saw the outer lease's
+    GPUBROKER_GPU_MEMORY beside its own empty CUDA_VISIBLE_DEVICES."""
+    monkeypatch.setenv("GPUBROKER_GPU_MEMORY", "2147483648")
+    env = cli._child_env({"GPUBROKER_LEASE": "l-1", "CUDA_VISIBLE_DEVICES": ""})
+    assert "GPUBROKER_GPU_MEMORY" not in env
+    assert cli._child_env({"GPUBROKER_GPU_MEMORY": "1024"})["GPUBROKER_GPU_MEMORY"] == "1024"

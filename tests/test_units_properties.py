@@ -17,6 +17,7 @@ from gpubroker.units import (
     MAX_BYTES,
     MAX_SECONDS,
     UnitError,
+    duration_text,
     gib,
     parse_duration,
     parse_size,
@@ -370,3 +371,9 @@ def test_a_refusal_says_by_how_much_a_need_falls_short_exactly_when_the_figures_
         amount = int(said.split()[0].lstrip("("))
         unit = 2**20 if " MiB " in said else 1
         assert amount * unit >= need - have > (amount - 1) * unit
+
+
+@given(st.floats(1, MAX_SECONDS))  # a TTL: at least a second
+@example(1e6)  # `{:g}` wrote it 1e+06s, which a renewal was refused for: a lease's own TTL was not given back after `fg`
+def test_a_duration_written_by_duration_text_is_read_back_as_the_same_seconds(seconds: float) -> None:
+    assert parse_duration(duration_text(seconds)) == seconds
