@@ -406,6 +406,8 @@ class _Terminal:
         self._fd = fd
         self._ours = os.getpgrp()
         self._handed: int | None = None  # the group the terminal was handed to
+        # Whether CMD's group is given the terminal when the job has it: not once another part of the job wants it.
+        self.hands = True
 
     @classmethod
     def open(cls) -> _Terminal:
@@ -434,8 +436,39 @@ class _Terminal:
             signal.signal(signal.SIGTTOU, previous)
 
     def hand_to(self, pgid: int) -> None:
+        if not self.hands:
+            return
         self._set(pgid)
         self._handed = pgid
+
+    def watch(self, child: subprocess.Popen[bytes]) -> None:
+        """Job control for the other parts of the job and for Ctrl-Z reaching this process, where a shell can stop and
+        continue the job (not in an orphaned one: the kernel stops none of it).
+
+        `gpubroker lease -- CMD | less`: the pager, in this process's group, reading or setting the terminal while CMD's
+        group has it has the kernel stop the whole group, this process too, whose renewals stopped with it: the lease
+        ran out under CMD. The terminal is the job's from then on, as a shell has it for a pipeline, and the pager goes
+        on; CMD reading the terminal then stops the job, as a job in the background is stopped. From the background,
+        that stops the job with CMD, its lease held. Ctrl-Z reaching this process (the job has the terminal, not CMD)
+        stops CMD, and the job with it (`_wait_as_a_job`)."""
+        if self._fd is None or not _stoppable():
+            return
+
+        def stop_cmd(_signum: int, _frame: object) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGTSTP)
+
+        def wanted(signum: int, frame: object) -> None:
+            if self.foreground != child.pid:
+                stop_cmd(signum, frame)
+                return
+            self.hands = False
+            self.give_back()
+            os.killpg(0, signal.SIGCONT)  # the pager goes on (and this process's own SIGCONT hands nothing to CMD)
+
+        signal.signal(signal.SIGTSTP, stop_cmd)
+        signal.signal(signal.SIGTTIN, wanted)
+        signal.signal(signal.SIGTTOU, wanted)
 
     @property
     def ours(self) -> bool:
@@ -511,6 +544,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     finally:
         os.close(gate[0])
     terminal = _Terminal.open()
+    terminal.watch(child)
     failed: str | None = None  # why CMD never started (its gate closed unopened)
     try:
         client.call("POST", f"/v1/leases/{lease['id']}/processes", {"pgid": child.pid}, headers=token, timeout=patience)
@@ -700,7 +734,7 @@ def _wait_as_a_job(child: subprocess.Popen[bytes], terminal: _Terminal, hold: Ca
                 return _exit_code(child, status)
             if terminal.foreground == child.pid:
                 terminal.give_back()  # Ctrl-Z: the terminal goes back to the job, for the shell to take
-            elif terminal.ours:
+            elif terminal.ours and terminal.hands and os.WSTOPSIG(status) != signal.SIGTSTP:
                 # Stopped for reading or writing the terminal just as the job came to the foreground: go on.
                 continued(signal.SIGCONT, None)
                 continue
@@ -709,11 +743,16 @@ def _wait_as_a_job(child: subprocess.Popen[bytes], terminal: _Terminal, hold: Ca
                 # would only stop again at once. It stays stopped, as it would had it been started alone.
                 return _exit_code(child, os.waitpid(child.pid, 0)[1])
             hold(True)
-            os.killpg(0, signal.SIGTSTP)  # the whole job, as the terminal stops it: stopped here until continued
+            watching = signal.signal(signal.SIGTSTP, signal.SIG_DFL)  # this process stops with the rest of the job
+            try:
+                os.killpg(0, signal.SIGTSTP)  # the whole job, as the terminal stops it: stopped here until continued
+            finally:
+                signal.signal(signal.SIGTSTP, watching)
             hold(False)
             continued(signal.SIGCONT, None)  # (done already if this process was stopped; not where the kernel would not stop it)
     finally:
-        signal.signal(signal.SIGCONT, signal.SIG_DFL)
+        for signum in (signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def _stoppable() -> bool:

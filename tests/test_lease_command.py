@@ -15,6 +15,7 @@ import pwd
 import re
 import resource
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -1064,6 +1065,52 @@ def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_an
         os.write(term.master, b"\x03")  # Ctrl-C reaches CMD, and ends the job by SIGINT
         assert said_within(term.said) == f"exit {-signal.SIGINT}\n"
         assert term.shell.wait(30) == 0
+
+
+# A pager, as `less` is to the terminal: it sets the terminal's modes once the first line has come (CMD has the terminal
+# by then), and writes there every line it reads.
+PAGER = """\
+import os, signal, sys, termios
+signal.signal(signal.SIGTTOU, signal.SIG_DFL)  # as a shell starts a job (MINI_SHELL ignores it)
+tty = os.open("/dev/tty", os.O_RDWR)
+for number, line in enumerate(sys.stdin):
+    if number == 0:
+        termios.tcsetattr(tty, termios.TCSANOW, termios.tcgetattr(tty))
+    os.write(tty, b"pager: " + line.encode())
+"""
+
+
+@pytest.mark.slow
+def test_a_pager_piped_from_gpubroker_lease_gets_the_terminal_and_ctrl_z_stops_the_job_with_its_lease_held(
+    gpubroker: list[str], broker_process: MakeBroker, tmp_path: Path
+) -> None:
+    """`gpubroker lease -- CMD | less`: the pager setting the terminal while CMD had it had the kernel stop the whole job,
+    `gpubroker lease` too, so the lease ran out unrenewed and the broker stopped CMD, which had gone on all the while."""
+    broker = start_broker(gpubroker, broker_process)
+    client = broker.client()
+    go = tmp_path / "go"
+    work = f"import os, time\nprint('started', flush=True)\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\nprint('done')"
+    lease_cmd = [*gpubroker, "lease", "--cpu-cores", "1", "--ttl", "2s", "--", sys.executable, "-c", work]
+    argv = ["sh", "-c", f"{shlex.join(lease_cmd)} | {shlex.join([sys.executable, '-c', PAGER])}"]
+    with at_a_terminal(argv, broker.env) as term:
+        lease, holder, cmd = the_jobs_lease(client)
+        term.read_until(b"pager: started")  # the pager has the terminal it set, and nothing was stopped
+        assert os.tcgetpgrp(term.master) == os.getpgid(holder)  # the job's, as a shell gives it to a pipeline
+        time.sleep(3)  # past the lease's 2 s TTL: renewed all along
+        assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"
+
+        os.write(term.master, b"\x1a")  # Ctrl-Z reaches the job's group, not CMD's: CMD stops with the job all the same
+        assert said_within(term.said).startswith("stopped ")
+        assert process_state(cmd) == "T"
+        time.sleep(3)  # with the job's renewer stopped too
+        assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"  # a stopped job's lease is held
+
+        os.write(term.tell, b"fg\n")
+        wait_for(lambda: process_state(cmd) != "T", timeout=5.0)
+        go.touch()
+        term.read_until(b"pager: done")
+        assert said_within(term.said) == "exit 0\n"
+        assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "released"
 
 
 def test_a_job_sent_to_the_background_with_bg_leaves_the_shell_its_terminal_when_it_ends(
