@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,21 +92,33 @@ def host_claims(request: LeaseRequest, host: HostBudget, claimed: Collection[Cla
     }
 
 
-def _host_refusal(request: LeaseRequest, host: HostBudget, blocked: Mapping[Claim, Sequence[str]]) -> Refusal | None:
+def _host_needs(request: LeaseRequest, host: HostBudget) -> Iterator[tuple[str, int, int, int, Callable[[int], str], dict[str, Any]]]:
+    """The host's resources a request asks for, each as its refusals name it: what, how much is asked, the total, how
+    much is leased, how an amount is written, and the refusal's details."""
     for what, need, total, leased in (
         (CPU_CORES, request.cpu_cores, host.cores, host.leased_cores),
         (HOST_MEMORY, request.memory, host.memory, host.leased_memory),
     ):
-        if not need:
-            continue
-        in_bytes = what == "host memory"
-        show = (lambda v: f"{gib(v)} GiB") if in_bytes else str
-        details = {"resource": what, "need": need, "total": total, "leased": leased, "schedulable": max(0, total - leased)}
+        if need:
+            show: Callable[[int], str] = (lambda v: f"{gib(v)} GiB") if what == HOST_MEMORY else str
+            details = {"resource": what, "need": need, "total": total, "leased": leased, "schedulable": max(0, total - leased)}
+            yield what, need, total, leased, show, details
+
+
+def _host_capability(request: LeaseRequest, host: HostBudget) -> Refusal | None:
+    """More cores or memory than the machine has: no release can make room for it."""
+    for what, need, total, _, show, details in _host_needs(request, host):
         if need > total:
-            short = short_by(need, total, "in all") if in_bytes else ""
+            short = short_by(need, total, "in all") if what == HOST_MEMORY else ""
             return Refusal(
                 FailureCode.CAPABILITY_UNAVAILABLE, f"{what}: this node has {show(total)} in all; needs {show(need)}{short}", details
             )
+    return None
+
+
+def _host_room(request: LeaseRequest, host: HostBudget, blocked: Mapping[Claim, Sequence[str]]) -> Refusal | None:
+    """Too few cores or too little memory free now, or what is free is claimed by a request waiting ahead."""
+    for what, need, total, leased, show, details in _host_needs(request, host):
         figures = f"{what}: {show(total)} in all, {show(leased)} leased → {show(max(0, total - leased))} schedulable"
         if what in blocked:  # held back for a request of a higher class, or an earlier one of its own, as a GPU is
             ahead = blocked[what]
@@ -116,7 +128,7 @@ def _host_refusal(request: LeaseRequest, host: HostBudget, blocked: Mapping[Clai
                 {**details, "waiting_ahead": {what: list(ahead)}},
             )
         if need > total - leased:
-            short = short_by(need, total - leased) if in_bytes else ""
+            short = short_by(need, total - leased) if what == HOST_MEMORY else ""
             return Refusal(FailureCode.LEASE_CONFLICT, f"{figures}; needs {show(need)}{short}", details)
     return None
 
@@ -136,11 +148,12 @@ def place(
     waiting ahead of it (each with those requests, as a refusal names them, first ahead first); `unreadable`
     ones are listed by the driver but cannot be read, so nothing is placed on them."""
     blocked = blocked or {}
-    refusal = _host_refusal(request, host, blocked)
+    # What no release can change is said first: a request the node can never serve is refused so, not queued.
+    refusal = _host_capability(request, host)
     if refusal is not None:
         return refusal
     if not request.wants_gpus:
-        return Placement(())
+        return _host_room(request, host, blocked) or Placement(())
     if driver_error is not None:
         return Refusal(FailureCode.DRIVER_ERROR, f"GPUs cannot be read: {driver_error}", {"driver_error": driver_error})
     usable = candidates(request, budgets)
@@ -198,6 +211,9 @@ def place(
             f"{short_by(request.gpu_memory, most, 'it can lease')}",
             {"need": request.gpu_memory, "need_gpus": request.gpus, **_figures(largest)},
         )
+    refusal = _host_room(request, host, blocked)
+    if refusal is not None:
+        return refusal
     fresh = [b for b in usable if now - b.reading.observed_at <= staleness]
     if len(fresh) < request.gpus:
         stale = [b for b in usable if b not in fresh]

@@ -836,7 +836,9 @@ class Broker:
         try:
             lease, token = await self._request(request, caller, while_syncing)
             if not lease.live:  # released by its id, or its holder gone, while its grant was on its way to disk
-                raise self._ended_unanswered(lease)
+                await self.store.commit([])  # after the end's own commit, which may fail: the lease is then live again
+                if not lease.live:
+                    raise self._ended_unanswered(lease)
         except BrokerError as error:
             self.stats.record(error.code.value, time.perf_counter() - started)
             raise

@@ -452,6 +452,29 @@ async def test_a_request_waiting_for_cpu_cores_is_not_passed_by_a_lower_class_th
     await asyncio.gather(small, return_exceptions=True)
 
 
+async def test_a_request_the_node_can_never_serve_is_refused_so_though_the_cores_it_asks_for_are_claimed(
+    make_node: Callable[..., Any],
+) -> None:
+    """A claim is no reason to wait for a GPU the node does not have, or for more than it has: such a request would wait
+    its whole wait in the queue, claiming cores whenever they ran short."""
+    node = await make_node()
+    cores = node.broker.host.cores
+    await node.ask(cpu_cores=cores - 1)
+    big = asyncio.create_task(node.ask(cpu_cores=2, priority="production", wait="1m"))
+    await settle()
+    for never in (
+        {"gpu": 7, "gpu_memory": "1GiB"},
+        {"gpu_memory": "30GiB"},
+        {"gpus": 2, "gpu_memory": "1GiB"},
+        {"memory": node.broker.host.memory + GIB},
+    ):
+        error = await asyncio.wait_for(node.refused(cpu_cores=1, wait="1h", **never), 5)  # at once, not queued
+        assert error.code is FailureCode.CAPABILITY_UNAVAILABLE, (never, error.message)
+    assert len(node.broker.waiters) == 1
+    big.cancel()
+    await asyncio.gather(big, return_exceptions=True)
+
+
 async def test_a_request_waiting_for_a_gpu_holds_back_no_core_it_has_room_for(make_node: Callable[..., Any]) -> None:
     """Waiting for a GPU, a request that has the cores and memory it asks for leaves them to the requests behind it."""
     node = await make_node()
@@ -2516,3 +2539,55 @@ async def test_a_request_released_by_its_id_between_its_grant_and_the_answer_is_
     )
     await node.restart()
     assert node.broker.get(waiter.id)["state"] == "released"
+
+
+async def test_a_request_whose_release_between_grant_and_answer_fails_is_answered_as_granted(make_node: Callable[..., Any]) -> None:
+    """The release that overtook the grant could not be written (a full store, a disk fault): the lease lives on, so its
+    requester is answered 201 with its token, not told it was not granted while the lease goes on holding the room."""
+    node = await make_node()
+    held, token = await node.ask(gpu_memory="20GiB")
+    waiting = asyncio.create_task(node.ask(gpu_memory="15GiB", wait="1m"))
+    await settle()
+    (waiter,) = node.broker.waiters
+    commit = node.broker.store.commit
+    handed, released, grant_synced, release_settled = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def held_grant(synced: Any) -> None:
+        handed.set()
+        await released.wait()
+        await synced
+        grant_synced.set()
+
+    async def refused_after_the_grant(on_settled: Callable[[Exception | None], None]) -> None:
+        await grant_synced.wait()  # the writer's order: the release was handed after the grant
+        await asyncio.sleep(0.05)  # and is refused well after the grant is on disk
+        full = StoreFull("the state store could not be written: a disk fault", {})
+        on_settled(full)
+        release_settled.set()
+        raise full
+
+    async def after_the_release(synced: Any) -> None:
+        await release_settled.wait()  # anything handed after the release is settled after it
+        await synced
+
+    def commit_in_order(writes: list[Write], *args: Any, **kwargs: Any) -> Any:
+        types = {w.value["type"] for w in writes if w.table == "events"}
+        if "lease.granted" in types:
+            return held_grant(commit(writes, *args, **kwargs))
+        if "lease.released" in types and handed.is_set():  # the release by its id: the disk refuses it
+            return refused_after_the_grant(kwargs["on_settled"])
+        if handed.is_set() and not release_settled.is_set():
+            return after_the_release(commit(writes, *args, **kwargs))
+        return commit(writes, *args, **kwargs)
+
+    node.broker.store.commit = commit_in_order  # type: ignore[method-assign]
+    await node.broker.release(held["id"], TCP, token)
+    await asyncio.wait_for(handed.wait(), 10)
+    release = asyncio.create_task(node.broker.release(waiter.id, Caller("unix", uid=0, pid=None), None))
+    await asyncio.sleep(0)  # the release is on its way to disk, and the grant's answer comes while it is
+    released.set()
+    lease, lease_token = await asyncio.wait_for(waiting, 5)
+    assert (lease["id"], lease["state"]) == (waiter.id, "granted")
+    assert lease_token
+    with pytest.raises(StoreFull):
+        await release
