@@ -1477,11 +1477,13 @@ class Broker:
             self.sweep()
 
     def _end(self, lease: Lease, state: str, reason: str) -> asyncio.Future[None]:
-        """End a live lease, hand that to the writer, and only then free its room (done once the end is on disk).
+        """End a live lease, hand that to the writer, and only then free its room; the commit is returned, done once
+        the end is on disk.
 
         A request waiting for the room is granted as it is freed: its grant reaches the writer after the end that made
         room for it, never before. Otherwise a follower of events could be shown the grant and pass over the end for
         good, and a crash between the two commits would bring the ended lease back beside the grant made in its room.
+        (The room is freed before the end is on disk: should its commit fail, the grant behind it may still be written.)
         """
         commit = self.store.commit(self._end_writes(lease, state, reason))
         self._free(lease)
