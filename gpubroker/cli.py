@@ -408,6 +408,7 @@ class _Terminal:
         self._handed: int | None = None  # the group the terminal was handed to
         # Whether CMD's group is given the terminal when the job has it: not once another part of the job wants it.
         self.hands = True
+        self._watching: dict[int, Any] = {}  # the signals `watch` handles, with what they were before
 
     @classmethod
     def open(cls) -> _Terminal:
@@ -450,25 +451,31 @@ class _Terminal:
         ran out under CMD. The terminal is the job's from then on, as a shell has it for a pipeline, and the pager goes
         on; CMD reading the terminal then stops the job, as a job in the background is stopped. From the background,
         that stops the job with CMD, its lease held. Ctrl-Z reaching this process (the job has the terminal, not CMD)
-        stops CMD, and the job with it (`_wait_as_a_job`)."""
-        if self._fd is None or not _stoppable():
+        stops CMD, and the job with it (`_wait_as_a_job`), and a resized window reaching it is CMD's too."""
+        shell = _shell_group()
+        if self._fd is None or shell is None:
             return
 
-        def stop_cmd(_signum: int, _frame: object) -> None:
+        def to_cmd(signum: int, _frame: object) -> None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGTSTP)
+                os.killpg(child.pid, signal.SIGTSTP if signum != signal.SIGWINCH else signum)
 
         def wanted(signum: int, frame: object) -> None:
-            if self.foreground != child.pid:
-                stop_cmd(signum, frame)
+            if self.foreground in (None, shell):  # the job is in the background: it stops, CMD first
+                to_cmd(signum, frame)
                 return
             self.hands = False
             self.give_back()
             os.killpg(0, signal.SIGCONT)  # the pager goes on (and this process's own SIGCONT hands nothing to CMD)
 
-        signal.signal(signal.SIGTSTP, stop_cmd)
-        signal.signal(signal.SIGTTIN, wanted)
-        signal.signal(signal.SIGTTOU, wanted)
+        for signum, handler in ((signal.SIGTSTP, to_cmd), (signal.SIGWINCH, to_cmd), (signal.SIGTTIN, wanted), (signal.SIGTTOU, wanted)):
+            self._watching[signum] = signal.signal(signum, handler)
+
+    def unwatch(self) -> None:
+        """The signals `watch` handled, as they were."""
+        for signum, was in self._watching.items():
+            signal.signal(signum, was)
+        self._watching.clear()
 
     @property
     def ours(self) -> bool:
@@ -508,6 +515,9 @@ def _tell(line: str) -> None:
     """A line on standard error from `gpubroker lease` once CMD runs. One that cannot be written (the terminal hung up
     under a job sent to the background, a reader gone) is lost, and nothing else: the renewals, the stop of CMD once
     its lease has run out and CMD's exit code must not end with it."""
+    # Written with SIGTTOU blocked, so that it is written with `stty tostop` too: the kernel would stop the whole job for
+    # it, or (as its handler sees it) have the terminal taken from CMD for a pager of the job's.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
     try:
         print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError):
@@ -516,6 +526,8 @@ def _tell(line: str) -> None:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
             sys.stderr.flush()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], granted: float) -> int:
@@ -559,6 +571,7 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
         os.close(gate[1])
     if failed is not None:  # CMD never started, and the lease goes with it
         _tell(f"gpubroker: {failed}")
+        terminal.unwatch()
         terminal.take_back()
         child.wait()
         with contextlib.suppress(ClientError):
@@ -571,12 +584,12 @@ def _run_under_lease(client: Client, lease: dict[str, Any], command: list[str], 
     def forward(signum: int, _frame: object) -> None:
         try:
             os.killpg(child.pid, signum)
-            if signum != signal.SIGINT:
+            if signum not in (signal.SIGINT, signal.SIGQUIT):
                 os.killpg(child.pid, signal.SIGCONT)  # a stopped CMD acts on SIGTERM or SIGHUP only once continued
         except ProcessLookupError:
             pass
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
         # One ignored since this process started stays so (`nohup`, a script's background job), as it does for CMD,
         # which inherited it: a hang-up or a Ctrl-C its caller meant to ignore is not passed on.
         if signal.getsignal(signum) != signal.SIG_IGN:
@@ -720,7 +733,11 @@ def _wait_as_a_job(child: subprocess.Popen[bytes], terminal: _Terminal, hold: Ca
     if not terminal.held:
         return _exit_code(child, os.waitpid(child.pid, 0)[1])
 
+    continues = 0  # times this process was continued
+
     def continued(_signum: int, _frame: object) -> None:
+        nonlocal continues
+        continues += 1
         if terminal.ours:  # fg: the shell gave the job the terminal; CMD is to have it
             terminal.hand_to(child.pid)
         with contextlib.suppress(ProcessLookupError):
@@ -743,31 +760,39 @@ def _wait_as_a_job(child: subprocess.Popen[bytes], terminal: _Terminal, hold: Ca
                 # would only stop again at once. It stays stopped, as it would had it been started alone.
                 return _exit_code(child, os.waitpid(child.pid, 0)[1])
             hold(True)
+            before = continues
             watching = signal.signal(signal.SIGTSTP, signal.SIG_DFL)  # this process stops with the rest of the job
             try:
                 os.killpg(0, signal.SIGTSTP)  # the whole job, as the terminal stops it: stopped here until continued
             finally:
                 signal.signal(signal.SIGTSTP, watching)
             hold(False)
-            continued(signal.SIGCONT, None)  # (done already if this process was stopped; not where the kernel would not stop it)
+            if continues == before:  # not stopped after all (the kernel would not): CMD goes on as the job does
+                # Not again once continued: a pager stopping the job afresh (`bg`) may have stopped CMD meanwhile.
+                continued(signal.SIGCONT, None)
     finally:
-        for signum in (signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
-            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGCONT, signal.SIG_DFL)
+        terminal.unwatch()
 
 
 def _stoppable() -> bool:
     """Whether this process's job can be stopped and continued: it, or its nearest ancestor in its group, has its
     parent in another group of the same session (a shell with job control). An orphaned group is never stopped."""
+    return _shell_group() is not None
+
+
+def _shell_group() -> int | None:
+    """The process group of the shell that can stop and continue this process's job (see `_stoppable`); None: none."""
     import psutil
 
     group, session = os.getpgrp(), os.getsid(0)
     try:
         for parent in psutil.Process().parents():
-            if os.getpgid(parent.pid) != group:
-                return os.getsid(parent.pid) == session
+            if (theirs := os.getpgid(parent.pid)) != group:
+                return theirs if os.getsid(parent.pid) == session else None
     except (psutil.Error, OSError):
         pass
-    return False
+    return None
 
 
 def _exit_code(child: subprocess.Popen[bytes], status: int) -> int:

@@ -1070,12 +1070,21 @@ def test_ctrl_z_stops_gpubroker_lease_with_cmd_so_the_shell_gets_its_terminal_an
 # A pager, as `less` is to the terminal: it sets the terminal's modes once the first line has come (CMD has the terminal
 # by then), and writes there every line it reads.
 PAGER = """\
-import os, signal, sys, termios
+import errno, os, signal, sys, termios
 signal.signal(signal.SIGTTOU, signal.SIG_DFL)  # as a shell starts a job (MINI_SHELL ignores it)
 tty = os.open("/dev/tty", os.O_RDWR)
+def set_modes(*_):
+    while True:
+        try:
+            return termios.tcsetattr(tty, termios.TCSANOW, termios.tcgetattr(tty))
+        except termios.error as error:
+            if error.args[0] != errno.EINTR:
+                raise
+# Continued, it sets the terminal again, as less does: in the background (`bg`), that stops the job again.
+signal.signal(signal.SIGCONT, set_modes)
 for number, line in enumerate(sys.stdin):
     if number == 0:
-        termios.tcsetattr(tty, termios.TCSANOW, termios.tcgetattr(tty))
+        set_modes()
     os.write(tty, b"pager: " + line.encode())
 """
 
@@ -1100,10 +1109,14 @@ def test_a_pager_piped_from_gpubroker_lease_gets_the_terminal_and_ctrl_z_stops_t
         assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"
 
         os.write(term.master, b"\x1a")  # Ctrl-Z reaches the job's group, not CMD's: CMD stops with the job all the same
-        assert said_within(term.said).startswith("stopped ")
-        assert process_state(cmd) == "T"
+        assert said_within(term.said).startswith("stopped ")  # (said as soon as sh stops, which may be before CMD)
+        wait_for(lambda: process_state(cmd) == "T", timeout=5.0)
         time.sleep(3)  # with the job's renewer stopped too
         assert client.call("GET", f"/v1/leases/{lease['id']}")["lease"]["state"] == "granted"  # a stopped job's lease is held
+
+        os.write(term.tell, b"bg\n")  # continued in the background, the pager sets the terminal: the whole job stops again
+        assert said_within(term.said).startswith("stopped ")
+        wait_for(lambda: process_state(cmd) == "T", timeout=5.0)
 
         os.write(term.tell, b"fg\n")
         wait_for(lambda: process_state(cmd) != "T", timeout=5.0)
