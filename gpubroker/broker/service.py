@@ -952,11 +952,13 @@ class Broker:
             )
         return await self._wait(waiter, decision)
 
-    def _place(self, request: LeaseRequest, blocked: dict[Claim, list[str]], budgets: list[Budget] | None = None) -> Placement | Refusal:
+    def _place(
+        self, request: LeaseRequest, blocked: dict[Claim, list[str]], budgets: list[Budget] | None = None, host: HostBudget | None = None
+    ) -> Placement | Refusal:
         return place(
             request,
             self.budgets() if budgets is None else budgets,
-            self.host_budget(),
+            self.host_budget() if host is None else host,
             now=self.readings_now(),
             staleness=self.config.staleness,
             blocked=blocked,
@@ -1000,7 +1002,8 @@ class Broker:
         assert request.deadline is not None
         staying = [lease for lease in self.leases.values() if lease.preemption == "never" and lease.expires_at > request.deadline]
         budgets = compute_budgets(self.readings, leases_by_gpu(staying), self.config.reserve)
-        decision = self._place(request, {}, budgets)
+        host = HostBudget(self.host.cores, sum(x.cpu_cores for x in staying), self.host.memory, sum(x.memory for x in staying))
+        decision = self._place(request, {}, budgets, host)
         # A driver that cannot read a card, or has not read it lately, may read it before the deadline: only room
         # held past it makes a request hopeless.
         return (

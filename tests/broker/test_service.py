@@ -606,6 +606,24 @@ async def test_a_deadline_already_passed_or_hopeless_fails_at_once(make_node: Ca
     assert node.broker.waiters == []
 
 
+async def test_a_request_for_cores_with_a_deadline_waits_for_cores_held_by_a_lease_that_ends_before_it(
+    make_node: Callable[..., Any],
+) -> None:
+    """The cores are held by a lease due to end before the deadline: the request may be granted in time, so it waits.
+    It was refused at once: the cores were counted as held by every lease, not only by those held past the deadline."""
+    node = await make_node()
+    cores = node.broker.host.cores
+    await node.ask(cpu_cores=cores, ttl="10s", preemption="never")
+    waiting = asyncio.create_task(node.ask(cpu_cores=1, deadline=rfc3339(node.clock.now() + 60)))
+    await settle()
+    assert len(node.broker.waiters) == 1, waiting
+    await node.ask(cpu_cores=0, memory="1MiB", ttl="1h", preemption="never")  # host memory held past the deadline
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    error = await node.refused(memory=node.broker.host.memory, deadline=rfc3339(node.clock.now() + 60))
+    assert error.code is FailureCode.DEADLINE_CANNOT_BE_MET  # all of it can never be had in time: 1 MiB is held past it
+
+
 async def test_a_waiting_request_whose_deadline_becomes_hopeless_fails_then_not_at_its_deadline(
     make_node: Callable[..., Any],
 ) -> None:
