@@ -456,19 +456,24 @@ class _Terminal:
         if self._fd is None or shell is None:
             return
 
-        def to_cmd(signum: int, _frame: object) -> None:
+        def stop_cmd(_signum: int = 0, _frame: object = None) -> None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGTSTP if signum != signal.SIGWINCH else signum)
+                os.killpg(child.pid, signal.SIGTSTP)
 
-        def wanted(signum: int, frame: object) -> None:
+        def resize_cmd(_signum: int, _frame: object) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGWINCH)
+
+        def wanted(_signum: int, _frame: object) -> None:
             if self.foreground in (None, shell):  # the job is in the background: it stops, CMD first
-                to_cmd(signum, frame)
+                stop_cmd()
                 return
             self.hands = False
             self.give_back()
             os.killpg(0, signal.SIGCONT)  # the pager goes on (and this process's own SIGCONT hands nothing to CMD)
 
-        for signum, handler in ((signal.SIGTSTP, to_cmd), (signal.SIGWINCH, to_cmd), (signal.SIGTTIN, wanted), (signal.SIGTTOU, wanted)):
+        handlers = ((signal.SIGTSTP, stop_cmd), (signal.SIGWINCH, resize_cmd), (signal.SIGTTIN, wanted), (signal.SIGTTOU, wanted))
+        for signum, handler in handlers:
             self._watching[signum] = signal.signal(signum, handler)
 
     def unwatch(self) -> None:

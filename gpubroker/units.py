@@ -79,8 +79,8 @@ def parse_duration(value: object) -> float:
         seconds = _duration_text(value)
     elif isinstance(value, float):  # TOML's and JSON's 2.5: whole seconds as a number, anything finer as a string
         # Written out in full: `{:g}` gives 1e-05 or 1.23457e+06, which no duration is written as.
-        written = f"{Decimal(repr(value)):f}" if 0 < value <= MAX_SECONDS else ""
-        example = f"{written}s" if 0 < len(written) <= 30 else "30s"
+        written = duration_text(value) if 0 < value <= MAX_SECONDS else ""
+        example = written if 0 < len(written) <= 31 else "30s"
         raise UnitError(
             f"duration {value!r} is a number with a decimal point: give seconds as an integer, or a string with a unit ({example}, 500ms)"
         )

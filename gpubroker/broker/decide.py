@@ -82,14 +82,7 @@ def host_claims(request: LeaseRequest, host: HostBudget, claimed: Collection[Cla
     """The host's resources a waiting request holds back from the requests behind it: CPU cores or host memory where
     it asks for more than is schedulable, or where a request ahead of it holds them back already. Where it has enough
     of them (it waits for a GPU), those behind it may take them: no core sits idle for a request that waits for a GPU."""
-    return {
-        what
-        for what, need, free in (
-            (CPU_CORES, request.cpu_cores, host.cores - host.leased_cores),
-            (HOST_MEMORY, request.memory, host.memory - host.leased_memory),
-        )
-        if need and (need > free or what in claimed)
-    }
+    return {what for what, need, total, leased, _, _ in _host_needs(request, host) if need > total - leased or what in claimed}
 
 
 def _host_needs(request: LeaseRequest, host: HostBudget) -> Iterator[tuple[str, int, int, int, Callable[[int], str], dict[str, Any]]]:

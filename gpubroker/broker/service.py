@@ -322,18 +322,19 @@ class Broker:
         restop = [x for _, x in self.ended.values() if x.pgids and x.ended_at is not None and now - x.ended_at < window]
         if self._rebooted:  # their groups ended with the machine; the ids may be others' now
             restop = []
-        # Ended here with the start's own writes, and freed before they are on disk: nothing waits yet for their room.
-        for lease in list(self.leases.values()):
+        ending: list[tuple[Lease, str, str]] = []
+        for lease in self.leases.values():
             if lease.expires_at <= now:
-                writes += self._end_writes(lease, "expired", "not renewed before its expiry (while the broker was down)")
-                self._free(lease)
+                ending.append((lease, "expired", "not renewed before its expiry (while the broker was down)"))
             elif lease.bind == "caller" and lease.holder.pid is not None:
                 if self._rebooted:
-                    writes += self._end_writes(lease, "released", f"holder pid {lease.holder.pid} is gone: the machine restarted since")
-                    self._free(lease)
+                    ending.append((lease, "released", f"holder pid {lease.holder.pid} is gone: the machine restarted since"))
                 elif not self._watch.watch(lease.id, lease.holder.pid, lease.holder.start_time, self._holder_exited):
-                    writes += self._end_writes(lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down")
-                    self._free(lease)
+                    ending.append((lease, "released", f"holder pid {lease.holder.pid} exited while the broker was down"))
+        # Ended with the start's own writes, and freed before they are on disk: nothing waits yet for their room.
+        for lease, state, reason in ending:
+            writes += self._end_writes(lease, state, reason)
+            self._free(lease)
         for lease in restop:
             self._spawn(self._stop_work(lease))
         for request_id, queued_at in cut_short:
